@@ -1,0 +1,1 @@
+def pod_attention_reference(*a, **k): raise NotImplementedError
