@@ -1,0 +1,200 @@
+"""Random paged batches for tests, the demo and benchmarks, built on any device.
+
+The batch is hostile on purpose: every slot that holds no token (the tail of each
+last page, pages nobody uses, the K/V columns next to a strided q) holds `garbage`
+(NaN by default), and block-table entries past a request's pages point at all-garbage
+pages, so a kernel that reads outside the contract produces NaN, not a plausible number.
+"""
+
+import math
+import random
+from dataclasses import dataclass
+
+import torch
+
+from podcute.reference import pod_attention_reference
+
+__all__ = ["Batch", "make_batch", "random_lengths"]
+
+
+@dataclass(frozen=True)
+class Batch:
+    q: torch.Tensor  # [total_q, Hq, D]
+    k_cache: torch.Tensor  # [num_pages, page_size, Hkv, D] (NHD) or [num_pages, Hkv, page_size, D]
+    v_cache: torch.Tensor
+    cu_seqlens_q: torch.Tensor  # int32 [B+1]
+    seqused_k: torch.Tensor  # int32 [B]
+    block_table: torch.Tensor | None  # int32 [B, max_pages], page_format="table"
+    kv_indptr: torch.Tensor | None  # int32 [B+1], page_format="csr"
+    kv_indices: torch.Tensor | None  # int32 [num used pages]
+    last_page_len: torch.Tensor  # int32 [B]; 0 for a request with kv_len 0
+    kv_layout: str
+    q_lens: tuple  # host copies, so callers need no device sync
+    kv_lens: tuple
+    sm_scale: float | None = None
+
+    @property
+    def page_size(self) -> int:
+        return self.k_cache.shape[1 if self.kv_layout == "NHD" else 2]
+
+    def kwargs(self) -> dict:
+        """Keyword arguments that describe the pages and lengths (and layout, scale)."""
+        kw = dict(
+            cu_seqlens_q=self.cu_seqlens_q,
+            seqused_k=self.seqused_k,
+            kv_layout=self.kv_layout,
+            sm_scale=self.sm_scale,
+        )
+        if self.block_table is not None:
+            kw["block_table"] = self.block_table
+        else:
+            kw["kv_indptr"] = self.kv_indptr
+            kw["kv_indices"] = self.kv_indices
+        return kw
+
+    def reference(self, causal=True, return_lse=False):
+        return pod_attention_reference(
+            self.q,
+            self.k_cache,
+            self.v_cache,
+            causal=causal,
+            return_lse=return_lse,
+            **self.kwargs(),
+        )
+
+
+def make_batch(
+    q_lens,
+    kv_lens,
+    *,
+    num_qo_heads,
+    num_kv_heads,
+    head_dim,
+    page_size,
+    dtype=torch.bfloat16,
+    device="cpu",
+    kv_layout="NHD",
+    page_format="table",
+    interleaved=False,
+    strided_q=False,
+    pool_factor=3.0,
+    garbage=float("nan"),
+    sm_scale=None,
+    seed=0,
+) -> Batch:
+    """A random batch: request i has q_lens[i] queries and kv_lens[i] KV tokens.
+
+    The pool holds max(1, ceil(pool_factor x pages needed)) pages; requests get disjoint
+    pages in a random order. Only token slots < kv_len of used pages hold data
+    (standard normal); everything else holds `garbage`. Block-table entries past a
+    request's pages are random pages that no request uses (all garbage), or 0 when the
+    pool has no spare page (pool_factor <= 1). CSR lists exactly the needed pages.
+    `interleaved`: k/v are the halves [:, 0], [:, 1] of one [num_pages, 2, ...] tensor.
+    `strided_q`: q is qkv[:, :Hq] of a [total_q, Hq + 2 Hkv, D] tensor (rest garbage).
+    Deterministic for a given seed and device; the values of q, K, V and the page
+    assignment do not depend on kv_layout, page_format, interleaved or strided_q, so
+    those variants of one batch have the same reference output.
+    """
+    q_lens, kv_lens = [int(x) for x in q_lens], [int(x) for x in kv_lens]
+    if len(q_lens) != len(kv_lens):
+        raise ValueError("q_lens and kv_lens must have the same length")
+    if min(q_lens + kv_lens, default=0) < 0:
+        raise ValueError("lengths must be non-negative")
+    if kv_layout not in ("NHD", "HND"):
+        raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
+    if page_format not in ("table", "csr"):
+        raise ValueError(f"page_format must be 'table' or 'csr', got {page_format!r}")
+    if num_qo_heads % num_kv_heads:
+        raise ValueError("num_qo_heads must be a multiple of num_kv_heads")
+    device = torch.device(device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    i32 = dict(dtype=torch.int32, device=device)
+    b, hq, hkv, d, ps = len(q_lens), num_qo_heads, num_kv_heads, head_dim, page_size
+
+    n_pages = [-(-n // ps) for n in kv_lens]
+    needed = sum(n_pages)
+    num_pages = max(1, needed, math.ceil(pool_factor * needed))
+    perm = torch.randperm(num_pages, generator=gen, device=device).to(torch.int32)
+    used, spare = perm[:needed], perm[needed:]
+
+    # Token view [num_pages, page_size, Hkv, D] of each cache, whatever its layout.
+    page_shape = (ps, hkv, d) if kv_layout == "NHD" else (hkv, ps, d)
+    if interleaved:
+        pool = torch.full((num_pages, 2, *page_shape), garbage, dtype=dtype, device=device)
+        k_cache, v_cache = pool[:, 0], pool[:, 1]
+    else:
+        k_cache = torch.full((num_pages, *page_shape), garbage, dtype=dtype, device=device)
+        v_cache = torch.full_like(k_cache, garbage)
+
+    # Where each KV token lives: (page, slot), computed for all tokens at once.
+    kv_t = torch.tensor(kv_lens, dtype=torch.int64, device=device)
+    total_kv = sum(kv_lens)
+    req = torch.repeat_interleave(torch.arange(b, device=device), kv_t, output_size=total_kv)
+    tok = torch.arange(total_kv, device=device) - (torch.cumsum(kv_t, 0) - kv_t)[req]
+    page_base = torch.tensor([0] + n_pages[:-1], dtype=torch.int64, device=device).cumsum(0)
+    page = used.long()[page_base[req] + tok // ps]
+    slot = tok % ps
+    for cache in (k_cache, v_cache):
+        tokens = cache if kv_layout == "NHD" else cache.transpose(1, 2)
+        data = torch.randn(total_kv, hkv, d, generator=gen, device=device, dtype=dtype)
+        tokens[page, slot] = data
+
+    total_q = sum(q_lens)
+    q = torch.randn(total_q, hq, d, generator=gen, device=device, dtype=dtype)
+    if strided_q:
+        # The K/V columns of the fused tensor hold garbage: reading past Hq shows up.
+        qkv = torch.full((total_q, hq + 2 * hkv, d), garbage, dtype=dtype, device=device)
+        qkv[:, :hq] = q
+        q = qkv[:, :hq]
+
+    block_table = kv_indptr = kv_indices = None
+    if page_format == "table":
+        max_pages = max(1, max(n_pages, default=0))
+        if spare.numel():
+            pick = torch.randint(spare.numel(), (b, max_pages), generator=gen, device=device)
+            block_table = spare[pick]
+        else:
+            block_table = torch.zeros(b, max_pages, **i32)
+        rows = torch.repeat_interleave(
+            torch.arange(b, device=device), torch.tensor(n_pages, device=device), output_size=needed
+        )
+        cols = torch.arange(needed, device=device) - page_base[rows]
+        block_table[rows, cols] = used
+    else:
+        kv_indptr = torch.tensor([0] + n_pages, **i32).cumsum(0, dtype=torch.int32)
+        kv_indices = used.clone()
+
+    last = [n - (p - 1) * ps if p else 0 for n, p in zip(kv_lens, n_pages)]
+    return Batch(
+        q=q,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        cu_seqlens_q=torch.tensor([0] + q_lens, **i32).cumsum(0, dtype=torch.int32),
+        seqused_k=torch.tensor(kv_lens, **i32),
+        block_table=block_table,
+        kv_indptr=kv_indptr,
+        kv_indices=kv_indices,
+        last_page_len=torch.tensor(last, **i32),
+        kv_layout=kv_layout,
+        q_lens=tuple(q_lens),
+        kv_lens=tuple(kv_lens),
+        sm_scale=sm_scale,
+    )
+
+
+def random_lengths(
+    rng: random.Random, num_decode, num_prefill, *, max_kv_len, max_decode_q=1, max_prefill_q=None
+):
+    """(q_lens, kv_lens) of a shuffled mix of decode (q_len 1..max_decode_q) and
+    prefill (q_len up to max_prefill_q, default the whole kv_len) requests, with
+    q_len <= kv_len <= max_kv_len so the batch is valid for causal attention."""
+    reqs = []
+    for _ in range(num_decode):
+        kv = rng.randint(1, max_kv_len)
+        reqs.append((rng.randint(1, min(max_decode_q, kv)), kv))
+    for _ in range(num_prefill):
+        kv = rng.randint(1, max_kv_len)
+        cap = kv if max_prefill_q is None else min(max_prefill_q, kv)
+        reqs.append((rng.randint(1, cap), kv))
+    rng.shuffle(reqs)
+    return [r[0] for r in reqs], [r[1] for r in reqs]
