@@ -1,10 +1,45 @@
-"""Glue between a Plan and the compiled kernels (owned by the kernel work)."""
+"""Glue between a Plan and the compiled kernels: pick the variant, launch, merge splits."""
+
+import torch
+
+from podcute.compile import VariantKey, compile_variant, unsupported_arch_message
 
 
-def launch(plan, q, k_cache, v_cache, out, lse):
+def device_arch(device: torch.device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}" + ("a" if major == 9 else "")
+
+
+def require_sm90(device: torch.device) -> None:
+    """Raise a RuntimeError naming what is needed unless `device` is a Hopper GPU."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise RuntimeError(
+            "podcute needs an NVIDIA Hopper GPU (sm_90a: H100/H200) to run the kernel; "
+            f"the tensors are on {device} and CUDA is "
+            f"{'available' if torch.cuda.is_available() else 'not available'}"
+        )
+    arch = device_arch(device)
+    if arch != "sm_90a":
+        raise RuntimeError(unsupported_arch_message(arch))
+
+
+def launch(plan, q, k_cache, v_cache, out, lse, kv_layout: str = "NHD"):
     """Run the fused POD kernel (and the split-KV merge) for `plan`.
 
     `out` is [total_q, Hq, D] (q's dtype), `lse` is [total_q, Hq] float32 or None.
     Raises RuntimeError naming what is needed when no sm_90 GPU is available.
     """
-    raise RuntimeError("podcute kernel launch is not implemented yet")
+    require_sm90(q.device)
+    cfg = plan.config
+    key = VariantKey.make(q.dtype, cfg.head_dim, cfg.group_size, plan.causal, lse is not None)
+    pod, merge = compile_variant(key)
+    if kv_layout == "HND":
+        # The kernel addresses (page, slot, head, dim); HND is that view with two strides
+        # swapped (layouts.canonical_kv in torch terms), so both layouts share one variant.
+        k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+    pod(q, k_cache, v_cache, out, lse, plan.work, plan.cta_ptr, plan.q_start, plan.kv_len,
+        plan.page_start, plan.page_list, plan.partial_o, plan.partial_lse,
+        float(plan.sm_scale), cfg.page_size, plan.grid)
+    if plan.num_merge > 0:
+        merge(out, lse, plan.merge, plan.q_start, plan.partial_o, plan.partial_lse,
+              plan.num_merge)

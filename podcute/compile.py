@@ -1,0 +1,197 @@
+"""Variant key -> compiled kernel, cached in memory (disk cache and AOT: issue 5).
+
+Every static fact that changes the generated code is in the key; everything that
+varies per batch (lengths, page counts, head counts, strides) stays a runtime value of
+the compiled function, which is built from fake tensors with symbolic shapes so it can
+be compiled on a machine without a GPU (CUTE_DSL_ARCH=sm_90a) and called later with
+torch tensors through TVM-FFI (no per-call DLPack conversion in Python).
+"""
+
+import hashlib
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from podcute.kernels.config import SUPPORTED_ARCHS, TileConfig
+
+_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_KERNEL_DIR = Path(__file__).parent / "kernels"
+
+
+def _source_fingerprint() -> str:
+    digest = hashlib.sha256()
+    for path in sorted(_KERNEL_DIR.glob("*.py")) + sorted(
+        (Path(__file__).parent.parent / "layouts").glob("*.py")
+    ):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _dsl_version() -> str:
+    import cutlass
+
+    return getattr(cutlass, "__version__", "unknown")
+
+
+@dataclass(frozen=True)
+class VariantKey:
+    arch: str
+    dtype: str
+    head_dim: int
+    group: int
+    causal: bool
+    has_lse: bool
+    tile: TileConfig
+    sources: str
+    dsl: str
+
+    @staticmethod
+    def make(dtype: torch.dtype, head_dim: int, group: int, causal: bool, has_lse: bool,
+             arch: str = "sm_90a") -> "VariantKey":
+        if arch not in SUPPORTED_ARCHS:
+            raise ValueError(unsupported_arch_message(arch))
+        return VariantKey(
+            arch=arch, dtype=_DTYPES[dtype], head_dim=head_dim, group=group,
+            causal=bool(causal), has_lse=bool(has_lse),
+            tile=TileConfig.for_head_dim(head_dim), sources=_FINGERPRINT, dsl=_dsl_version(),
+        )
+
+
+_FINGERPRINT = _source_fingerprint()
+
+
+def unsupported_arch_message(arch: str) -> str:
+    return (f"podcute kernels are built for {', '.join(SUPPORTED_ARCHS)} "
+            f"(NVIDIA Hopper: H100/H200); got {arch}")
+
+
+def _cutlass_dtype(name: str):
+    import cutlass
+
+    return {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[name]
+
+
+def _fake_args(key: VariantKey):
+    """Fake tensors with symbolic sizes/strides: the compiled function's runtime signature."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+
+    dtype = _cutlass_dtype(key.dtype)
+    d = key.head_dim
+
+    def sym(div=1):
+        return cute.sym_int64(divisibility=div)
+
+    # Rows of q/out/K/V are 16-byte aligned (checked by the API): strides divisible by 8.
+    def rows3():
+        return make_fake_tensor(dtype, (sym(), sym(), d), (sym(8), sym(8), 1), assumed_align=16)
+
+    def cache():
+        return make_fake_tensor(
+            dtype, (sym(), sym(), sym(), d), (sym(8), sym(8), sym(8), 1), assumed_align=16
+        )
+
+    def ivec():
+        return make_fake_tensor(cutlass.Int32, (sym(),), (1,), assumed_align=4)
+
+    tile_m = key.tile.tile_m
+    lse = (make_fake_tensor(cutlass.Float32, (sym(), sym()), (sym(), 1), assumed_align=4)
+           if key.has_lse else None)
+    work = make_fake_tensor(cutlass.Int32, (sym(), 8), (8, 1), assumed_align=16)
+    partial_o = make_fake_tensor(cutlass.Float32, (sym(), tile_m, d), (tile_m * d, d, 1),
+                                 assumed_align=16)
+    partial_lse = make_fake_tensor(cutlass.Float32, (sym(), tile_m), (tile_m, 1), assumed_align=16)
+    merge = make_fake_tensor(cutlass.Int32, (sym(), 6), (6, 1), assumed_align=4)
+    stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+    pod = (rows3(), cache(), cache(), rows3(), lse, work, ivec(), ivec(), ivec(), ivec(), ivec(),
+           partial_o, partial_lse, cutlass.Float32(1.0), cutlass.Int32(16), cutlass.Int32(1),
+           stream)
+    merge_args = (rows3(), lse, merge, ivec(), partial_o, partial_lse, cutlass.Int32(1), stream)
+    return pod, merge_args
+
+
+_cache: dict = {}
+_lock = threading.Lock()
+
+
+def shipped_variants(arch: str = "sm_90a"):
+    """The variants `python -m podcute compile` builds ahead of time (and CI compiles).
+
+    GQA groups 1 (MHA), 4, 7, 8 and 32 (MQA of 32 heads) cover the common models; any
+    other group compiles on first use.
+    """
+    return [
+        VariantKey.make(dtype, head_dim, group, causal, has_lse, arch=arch)
+        for dtype in (torch.bfloat16, torch.float16)
+        for head_dim in (64, 128)
+        for group in (1, 4, 7, 8, 32)
+        for causal in (True, False)
+        for has_lse in (True, False)
+    ]
+
+
+def compile_variant(key: VariantKey, keep_ptx: bool = False):
+    """(fused kernel, split merge) compiled for `key`; cached in memory."""
+    with _lock:
+        hit = _cache.get(key)
+        if hit is not None:
+            return hit
+    os.environ.setdefault("CUTE_DSL_ARCH", key.arch)
+    import cutlass.cute as cute
+
+    from podcute.kernels.pod_fwd_sm90 import PodAttentionSm90
+    from podcute.kernels.split_merge import SplitMerge
+
+    dtype = _cutlass_dtype(key.dtype)
+    pod_args, merge_args = _fake_args(key)
+    options = "--enable-tvm-ffi" + (" --keep-ptx" if keep_ptx else "")
+    pod = cute.compile(
+        PodAttentionSm90(dtype, key.head_dim, key.group, key.causal, key.has_lse),
+        *pod_args, options=options,
+    )
+    merge = cute.compile(
+        SplitMerge(dtype, key.head_dim, key.group, key.has_lse), *merge_args, options=options
+    )
+    with _lock:
+        _cache[key] = (pod, merge)
+    return pod, merge
+
+
+def compile_all(arch: str, check: bool = False, out=None) -> int:
+    """`python -m podcute compile`: build every shipped variant; return an exit code.
+
+    Works without a GPU (cross-compilation for `arch`). With `check`, also verifies the
+    generated PTX uses wgmma and setmaxnreg (the compiler falls back silently otherwise).
+    """
+    import sys
+    import time
+
+    out = out or sys.stdout
+    if arch not in SUPPORTED_ARCHS:
+        print(unsupported_arch_message(arch), file=sys.stderr)
+        return 2
+    os.environ.setdefault("CUTE_DSL_ARCH", arch)
+    variants = shipped_variants(arch)
+    start, failures = time.perf_counter(), []
+    for i, key in enumerate(variants, 1):
+        t0 = time.perf_counter()
+        pod, _ = compile_variant(key, keep_ptx=check)
+        note = ""
+        if check:
+            ptx = pod.__ptx__ or ""
+            counts = {op: ptx.count(op) for op in ("wgmma.mma_async", "setmaxnreg")}
+            note = f" wgmma={counts['wgmma.mma_async']} setmaxnreg={counts['setmaxnreg']}"
+            if not all(counts.values()):
+                failures.append(key)
+        bar = "#" * (30 * i // len(variants))
+        print(f"[{bar:<30}] {i}/{len(variants)} {key.dtype} d{key.head_dim} g{key.group} "
+              f"causal={key.causal} lse={key.has_lse} {time.perf_counter() - t0:.1f}s{note}",
+              file=out, flush=True)
+    print(f"compiled {len(variants)} variants for {arch} in {time.perf_counter() - start:.1f}s"
+          f"; {len(failures)} failed checks", file=out)
+    return 1 if failures else 0

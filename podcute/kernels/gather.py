@@ -1,0 +1,66 @@
+"""cp.async row gather into swizzled shared memory tiles.
+
+K/V rows come from scattered pages and Q rows from packed (token, head) pairs, so no
+single TMA box covers a tile: every row has its own global address. Each producer
+thread resolves the address of the rows it copies (through `podcute.layouts`) and
+issues 16-byte cp.async copies for its chunks of them.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64
+from cutlass.cute.nvgpu import cpasync
+
+COPY_BITS = 128  # 16-byte cp.async: global rows must be 16-byte aligned (checked by the API)
+
+
+@dataclass(frozen=True)
+class RowGather:
+    tiled_copy: cute.TiledCopy
+    thr_copy: cute.ThrCopy
+    tXcX: cute.Tensor  # (row, col) of each element this thread copies
+    dtype: cutlass.Constexpr
+    head_dim: cutlass.Constexpr[int]
+
+    @staticmethod
+    def create(dtype, num_rows: int, head_dim: int, num_threads: int, tidx: Int32) -> "RowGather":
+        elems = COPY_BITS // dtype.width
+        # Threads of one row cover it contiguously (up to 256 B per row in one pass).
+        threads_per_row = math.gcd(head_dim // elems, 32)
+        atom = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+            dtype,
+            num_bits_per_copy=COPY_BITS,
+        )
+        thr_layout = cute.make_ordered_layout(
+            (num_threads // threads_per_row, threads_per_row), order=(1, 0)
+        )
+        tiled_copy = cute.make_tiled_copy_tv(atom, thr_layout, cute.make_layout((1, elems)))
+        thr_copy = tiled_copy.get_slice(tidx)
+        tXcX = thr_copy.partition_S(cute.make_identity_tensor((num_rows, head_dim)))
+        return RowGather(tiled_copy, thr_copy, tXcX, dtype, head_dim)
+
+    @cute.jit
+    def copy_rows(self, sX: cute.Tensor, gmem_row: Callable):
+        """Copy tile row r from the (D,) global tensor `gmem_row(r)` into sX[r, :]."""
+        tXsX = self.thr_copy.partition_D(sX)
+        elem_bytes = self.dtype.width // 8
+        for m in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
+            # Rebuild the row pointer with the 16-byte alignment the API guarantees:
+            # the DSL cannot infer it through dynamic page and head strides.
+            base = gmem_row(self.tXcX[0, m, 0][0]).iterator.toint()
+            for k in cutlass.range_constexpr(cute.size(tXsX, mode=[2])):
+                col = self.tXcX[0, m, k][1]
+                src_ptr = cute.make_ptr(
+                    self.dtype,
+                    base + Int64(col * elem_bytes),
+                    cute.AddressSpace.gmem,
+                    assumed_align=16,
+                )
+                src = cute.make_tensor(src_ptr, tXsX[None, m, k].layout)
+                cute.copy(self.tiled_copy, src, tXsX[None, m, k])
+

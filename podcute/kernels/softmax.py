@@ -1,0 +1,86 @@
+"""Online softmax over register tiles of S, shared by the prefill and decode work."""
+
+import math
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+
+from podcute.kernels.mma_utils import rows_cols_view
+
+LOG2_E = math.log2(math.e)
+
+
+@dataclass(frozen=True)
+class OnlineSoftmax:
+    """Running row max (of raw scores) and per-thread partial row sums.
+
+    Each row of the 64-row tile lives on a quad of 4 threads; row maxima are reduced
+    across the quad every tile (they shift the exponent), row sums only at the end.
+    """
+
+    row_max: cute.Tensor
+    row_sum: cute.Tensor
+    scale_log2: Float32  # sm_scale * log2(e): exp(x * sm_scale) == exp2(x * scale_log2)
+
+    @staticmethod
+    def create(num_rows: cutlass.Constexpr[int], scale_log2: Float32) -> "OnlineSoftmax":
+        row_max = cute.make_rmem_tensor(num_rows, Float32)
+        row_sum = cute.make_rmem_tensor(num_rows, Float32)
+        return OnlineSoftmax(row_max, row_sum, scale_log2)
+
+    def reset(self) -> None:
+        self.row_max.fill(-Float32.inf)
+        self.row_sum.fill(0.0)
+
+    @cute.jit
+    def update(self, acc_S: cute.Tensor) -> cute.Tensor:
+        """Turn scores into unnormalised probabilities in place; return O's rescale factors."""
+        acc_S_mn = rows_cols_view(acc_S)
+        row_scale = cute.make_rmem_tensor_like(self.row_max, Float32)
+        for r in cutlass.range_constexpr(cute.size(self.row_max)):
+            scores = acc_S_mn[r, None].load()
+            prev_max = self.row_max[r]
+            cur_max = scores.reduce(cute.ReductionOp.MAX, prev_max, 0)
+            cur_max = cute.arch.warp_reduction_max(cur_max, threads_in_group=4)
+            self.row_max[r] = cur_max
+            # A row with every key masked so far keeps max -inf: shift by 0 instead so
+            # exp2 gives exact zeros rather than NaN from (-inf) - (-inf).
+            safe_max = cur_max
+            if cur_max == -Float32.inf:
+                safe_max = Float32(0.0)
+            max_scaled = safe_max * self.scale_log2
+            probs = cute.math.exp2(scores * self.scale_log2 - max_scaled, fastmath=True)
+            scale = cute.math.exp2(prev_max * self.scale_log2 - max_scaled, fastmath=True)
+            row_scale[r] = scale
+            self.row_sum[r] = self.row_sum[r] * scale + probs.reduce(
+                cute.ReductionOp.ADD, Float32(0.0), 0
+            )
+            acc_S_mn[r, None].store(probs)
+        return row_scale
+
+    @cute.jit
+    def finalize(self, sm_scale: Float32) -> tuple:
+        """Return (1/row_sum, natural-log LSE) per row; rows that saw no key get 0 and -inf."""
+        inv_sum = cute.make_rmem_tensor_like(self.row_sum, Float32)
+        lse = cute.make_rmem_tensor_like(self.row_sum, Float32)
+        for r in cutlass.range_constexpr(cute.size(self.row_sum)):
+            total = cute.arch.warp_reduction_sum(self.row_sum[r], threads_in_group=4)
+            inv = Float32(0.0)
+            row_lse = -Float32.inf
+            if total > Float32(0.0):
+                inv = cute.arch.rcp_approx(total)
+                row_lse = self.row_max[r] * sm_scale + cute.math.log(total, fastmath=True)
+            inv_sum[r] = inv
+            lse[r] = row_lse
+        return inv_sum, lse
+
+
+@cute.jit
+def rescale_rows(acc: cute.Tensor, row_scale: cute.Tensor):
+    """Multiply each accumulator row by its factor (O rescale after a max update)."""
+    acc_mn = rows_cols_view(acc)
+    for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+        for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+            acc_mn[r, c] = acc_mn[r, c] * row_scale[r]

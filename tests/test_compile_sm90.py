@@ -1,0 +1,48 @@
+"""Every shipped kernel variant compiles for sm_90a on a CPU-only machine, with wgmma and
+setmaxnreg in its PTX and no register spills reported by ptxas."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from podcute.compile import VariantKey, shipped_variants
+
+pytestmark = pytest.mark.compile
+
+
+@pytest.fixture(scope="module")
+def compile_log():
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_COMPILER_OPT="remarks{ptx}")
+    proc = subprocess.run(
+        [sys.executable, "-m", "podcute", "compile", "--arch", "sm_90a", "--check"],
+        capture_output=True, text=True, env=env, timeout=1800,
+    )
+    return proc
+
+
+def test_all_variants_compile_with_wgmma_and_setmaxnreg(compile_log):
+    assert compile_log.returncode == 0, compile_log.stdout[-3000:] + compile_log.stderr[-3000:]
+    lines = [l for l in compile_log.stdout.splitlines() if l.startswith("[")]
+    assert len(lines) == len(shipped_variants())
+    for line in lines:
+        assert re.search(r"wgmma=[1-9]", line) and re.search(r"setmaxnreg=[1-9]", line), line
+
+
+def test_no_register_spills(compile_log):
+    text = compile_log.stdout + compile_log.stderr
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", text)]
+    # Two kernels (fused + merge) per variant report their resource usage.
+    assert len(spills) >= 2 * len(shipped_variants()), text[-2000:]
+    assert max(spills) == 0, [l for l in text.splitlines() if "spill stores" in l and " 0 bytes" not in l]
+
+
+def test_unsupported_arch_is_refused():
+    proc = subprocess.run([sys.executable, "-m", "podcute", "compile", "--arch", "sm_80"],
+                          capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert "sm_90a" in proc.stderr
+    with pytest.raises(ValueError, match="sm_90a"):
+        VariantKey.make(__import__("torch").bfloat16, 128, 4, True, True, arch="sm_100a")

@@ -1,0 +1,148 @@
+"""GPU correctness of the fused kernel against podcute.reference (marker `gpu`).
+
+Every case builds a hostile batch (NaN outside the pages in use, pools 3x the need,
+random page permutations), poisons `out` with NaN, runs PODAttention and checks:
+relative L2 error (bf16 <= 5e-3, fp16 <= 2e-3), |LSE - ref| <= 1e-3 with -inf exactly
+where the reference has it, and that every output element was written.
+
+Set PODCUTE_GPU_REPORT=path.json to get case counts and worst errors (docs/ records them).
+"""
+
+import json
+import os
+import random
+
+import pytest
+import torch
+
+from podcute import PODAttention
+from podcute.testing import make_batch
+
+pytestmark = pytest.mark.gpu
+
+HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+if not HAS_SM90:
+    pytest.skip("needs an sm_90 GPU", allow_module_level=True)
+
+TOL = {torch.bfloat16: 5e-3, torch.float16: 2e-3}
+LSE_TOL = 1e-3
+NUM_RANDOM = int(os.environ.get("PODCUTE_GPU_RANDOM", "200"))
+_report = {"cases": 0, "worst_rel_l2": {}, "worst_lse_abs": 0.0, "failures": []}
+
+
+def _record(name, dtype, rel, lse_err):
+    _report["cases"] += 1
+    key = str(dtype).replace("torch.", "")
+    _report["worst_rel_l2"][key] = max(_report["worst_rel_l2"].get(key, 0.0), rel)
+    _report["worst_lse_abs"] = max(_report["worst_lse_abs"], lse_err)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _write_report():
+    yield
+    path = os.environ.get("PODCUTE_GPU_REPORT")
+    if path:
+        with open(path, "w") as f:
+            json.dump(_report, f, indent=1)
+
+
+_wrappers = {}
+
+
+def _wrapper(hq, hkv, d, page, dtype, layout):
+    key = (hq, hkv, d, page, dtype, layout)
+    if key not in _wrappers:
+        _wrappers[key] = PODAttention(hq, hkv, d, page, dtype=dtype, kv_layout=layout,
+                                      device="cuda", max_batch_size=64, max_num_tokens=4096)
+    return _wrappers[key]
+
+
+def check(name, q_lens, kv_lens, *, hq=8, hkv=2, d=128, page=16, dtype=torch.bfloat16,
+          layout="NHD", fmt="table", causal=True, interleaved=False, strided_q=False,
+          seed=0):
+    b = make_batch(q_lens, kv_lens, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d,
+                   page_size=page, dtype=dtype, device="cuda", kv_layout=layout,
+                   page_format=fmt, interleaved=interleaved, strided_q=strided_q, seed=seed)
+    attn = _wrapper(hq, hkv, d, page, dtype, layout)
+    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32)
+    kvl = torch.tensor(kv_lens, dtype=torch.int32)
+    pages = (dict(block_table=b.block_table) if fmt == "table"
+             else dict(kv_indptr=b.kv_indptr, kv_indices=b.kv_indices))
+    attn.plan(cu, kvl, causal=causal, **pages)
+    out = torch.full_like(b.q, float("nan"))
+    out, lse = attn.run(b.q, b.k_cache, b.v_cache, out=out, return_lse=True)
+    ref, ref_lse = b.reference(causal=causal, return_lse=True)
+    torch.cuda.synchronize()
+    assert not out.isnan().any(), f"{name}: unwritten or NaN output"
+    rel = ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
+    inf_ref = torch.isinf(ref_lse)
+    assert torch.equal(inf_ref, torch.isinf(lse)), f"{name}: -inf LSE rows differ"
+    fin = ~inf_ref
+    lse_err = (lse[fin] - ref_lse[fin]).abs().max().item() if fin.any() else 0.0
+    _record(name, dtype, rel, lse_err)
+    assert rel <= TOL[dtype], f"{name}: rel L2 {rel:.2e} > {TOL[dtype]:.0e}"
+    assert lse_err <= LSE_TOL, f"{name}: LSE error {lse_err:.2e}"
+
+
+MIXED = ([300, 1, 1, 5, 0, 1, 8], [700, 64, 1, 900, 17, 2000, 8])
+
+# One case per value of every coverage axis (each compiles at most a few variants).
+GRID = [
+    dict(dtype=torch.bfloat16, d=128, page=16, hq=8, hkv=2),
+    dict(dtype=torch.float16, d=128, page=16, hq=8, hkv=2),
+    dict(dtype=torch.bfloat16, d=64, page=16, hq=8, hkv=2),
+    dict(dtype=torch.float16, d=64, page=64, hq=8, hkv=8),
+    dict(dtype=torch.bfloat16, d=128, page=1, hq=8, hkv=8),
+    dict(dtype=torch.bfloat16, d=128, page=64, hq=28, hkv=4),  # G = 7
+    dict(dtype=torch.bfloat16, d=128, page=128, hq=32, hkv=4),  # G = 8
+    dict(dtype=torch.bfloat16, d=128, page=16, hq=32, hkv=1),  # MQA
+    dict(dtype=torch.bfloat16, d=128, page=16, layout="HND"),
+    dict(dtype=torch.bfloat16, d=128, page=16, fmt="csr"),
+    dict(dtype=torch.bfloat16, d=128, page=16, interleaved=True, strided_q=True),
+    dict(dtype=torch.bfloat16, d=128, page=16, causal=False),
+    dict(dtype=torch.float16, d=64, page=1, layout="HND", fmt="csr", causal=False),
+]
+
+
+@pytest.mark.parametrize("cfg", GRID, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_grid_mixed(cfg):
+    check(f"grid {cfg}", *MIXED, **cfg)
+
+
+@pytest.mark.parametrize("order", ["prefill-only", "decode-only", "long-decode", "spec-decode"])
+def test_batch_kinds(order):
+    cases = {
+        "prefill-only": ([1000, 513, 64], [1000, 2000, 64]),
+        "decode-only": ([1] * 40, [random.Random(1).randint(1, 3000) for _ in range(40)]),
+        "long-decode": ([1, 1, 1], [32768, 20000, 1]),
+        "spec-decode": ([2, 3, 4, 5, 6, 7, 8], [9, 100, 1000, 4000, 17, 300, 8]),
+    }
+    check(order, *cases[order])
+
+
+def test_kv_len_without_queries_attend_nothing():
+    # Non-causal rows of a request with kv_len 0 see no key: output 0, LSE -inf.
+    check("kv0", [3, 2], [0, 50], causal=False)
+
+
+@pytest.mark.parametrize("seed", range(NUM_RANDOM))
+def test_random_mixed(seed):
+    rng = random.Random(seed)
+    n = rng.randint(1, 24)
+    q_lens, kv_lens = [], []
+    for _ in range(n):
+        kind = rng.random()
+        kv = rng.choice([rng.randint(1, 300), rng.randint(1, 5000), rng.randint(1, 32768)])
+        if kind < 0.15:
+            q = 0
+        elif kind < 0.7:
+            q = min(kv, rng.choice([1, 1, 1, rng.randint(1, 8)]))
+        else:
+            q = min(kv, rng.randint(1, 1500))
+        q_lens.append(q)
+        kv_lens.append(kv)
+    if sum(q_lens) == 0:
+        q_lens[0] = 1
+    check(f"random {seed}", q_lens, kv_lens, page=rng.choice([1, 16, 64, 128]),
+          fmt=rng.choice(["table", "csr"]), interleaved=rng.random() < 0.3,
+          strided_q=rng.random() < 0.3, seed=seed)
