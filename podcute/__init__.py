@@ -1,6 +1,15 @@
 """podcute: fused prefill+decode (POD) paged attention for Hopper, in the CuTe DSL."""
 
-from podcute.reference import pod_attention_reference  # noqa: F401
+import os as _os
+
+# `layouts/` sits beside `podcute/` and is imported as podcute.layouts. Installs map it
+# (pyproject package-dir); a source tree on sys.path (e.g. an install whose editable
+# finder is not active) finds it through this extra package path entry.
+_src_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if _os.path.isfile(_os.path.join(_src_root, "layouts", "__init__.py")):
+    __path__.append(_src_root)
+
+from podcute.reference import pod_attention_reference  # noqa: E402
 
 __all__ = ["pod_attention_reference"]
 __version__ = "0.1.0"
