@@ -1,4 +1,4 @@
-"""Variant key -> compiled kernel, cached in memory (disk cache and AOT: issue 5).
+"""Variant key -> compiled kernel, cached in memory and on disk.
 
 Every static fact that changes the generated code is in the key; everything that
 varies per batch (lengths, page counts, head counts, strides) stays a runtime value of
@@ -7,9 +7,14 @@ be compiled on a machine without a GPU (CUTE_DSL_ARCH=sm_90a) and called later w
 torch tensors through TVM-FFI (no per-call DLPack conversion in Python).
 """
 
+import ctypes
+import fcntl
 import hashlib
 import os
+import subprocess
 import threading
+import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -119,6 +124,67 @@ _cache: dict = {}
 _lock = threading.Lock()
 
 
+def cache_dir(arch: str = "sm_90a") -> Path:
+    """On-disk cache folder, namespaced by architecture and DSL version."""
+    root = Path(os.environ.get("PODCUTE_CACHE_DIR", Path.home() / ".cache" / "podcute"))
+    return root / f"{arch}-cutlass-dsl-{_dsl_version()}"
+
+
+def _entry_name(key: VariantKey) -> str:
+    return hashlib.sha256(repr(key).encode()).hexdigest()[:32]
+
+
+_runtime_loaded = False
+
+
+def _load_runtime_libraries() -> None:
+    # Exported kernels resolve the DSL runtime's symbols at dlopen time, so the runtime
+    # must be loaded globally first (load_module alone loads it RTLD_LOCAL).
+    global _runtime_loaded
+    if not _runtime_loaded:
+        import cutlass.cute as cute
+
+        for lib in cute.runtime.find_runtime_libraries(enable_tvm_ffi=False):
+            if Path(lib).exists():
+                ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
+        _runtime_loaded = True
+
+
+def _load_entry(path: Path):
+    """(pod, merge) from an exported object file, or None if missing or unloadable."""
+    if not path.exists():
+        return None
+    import cutlass.cute as cute
+
+    _load_runtime_libraries()
+    try:
+        module = cute.runtime.load_module(str(path), enable_tvm_ffi=True)
+        return module.podcute_pod, module.podcute_merge
+    except Exception:  # truncated/corrupt entry: a miss; the rebuild replaces it
+        return None
+
+
+def _export_entry(path: Path, pod, merge) -> None:
+    """Write both kernels into one object file, atomically (tmp file + rename)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    pod_obj, merge_obj = tmp.with_suffix(".pod.o"), tmp.with_suffix(".merge.o")
+    try:
+        pod.export_to_c(object_file_path=str(pod_obj), function_name="podcute_pod")
+        merge.export_to_c(object_file_path=str(merge_obj), function_name="podcute_merge")
+        _link_objects([pod_obj, merge_obj], tmp)
+        os.replace(tmp, path)
+    finally:
+        for f in (tmp, pod_obj, merge_obj):
+            f.unlink(missing_ok=True)
+
+
+def _link_objects(objects, out: Path) -> None:
+    # A relocatable link (ld -r) merges the two exported objects into one entry, so an
+    # entry is either whole or absent.
+    subprocess.run(["ld", "-r", "-o", str(out), *map(str, objects)], check=True,
+                   capture_output=True)
+
+
 def shipped_variants(arch: str = "sm_90a"):
     """The variants `python -m podcute compile` builds ahead of time (and CI compiles).
 
@@ -141,7 +207,34 @@ def compile_variant(key: VariantKey, keep_ptx: bool = False):
         hit = _cache.get(key)
         if hit is not None:
             return hit
+        folder = cache_dir(key.arch)
+        folder.mkdir(parents=True, exist_ok=True)
+        entry = folder / f"{_entry_name(key)}.o"
+        # One compile per key across processes: whoever holds the lock compiles and
+        # exports; the others wait, then load what it wrote.
+        with open(folder / f"{entry.stem}.lock", "w") as lock_file:
+            fcntl.flock(lock_file, fcntl.LOCK_EX)
+            try:
+                kernels = None if keep_ptx else _load_entry(entry)
+                if kernels is None:
+                    kernels = _compile(key, keep_ptx)
+                    try:
+                        _export_entry(entry, *kernels)
+                    except (OSError, subprocess.CalledProcessError) as err:
+                        # No disk cache (read-only home, no `ld`): still usable in memory.
+                        warnings.warn(f"podcute: could not write kernel cache {entry}: {err}")
+            finally:
+                fcntl.flock(lock_file, fcntl.LOCK_UN)
+        _cache[key] = kernels
+        return kernels
+
+
+def _compile(key: VariantKey, keep_ptx: bool):
     os.environ.setdefault("CUTE_DSL_ARCH", key.arch)
+    log = os.environ.get("PODCUTE_COMPILE_LOG")  # one line per cold compile (tests, ops)
+    if log:
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()} {time.time():.3f} {_entry_name(key)}\n")
     import cutlass.cute as cute
 
     from podcute.kernels.pod_fwd_sm90 import PodAttentionSm90
@@ -157,8 +250,6 @@ def compile_variant(key: VariantKey, keep_ptx: bool = False):
     merge = cute.compile(
         SplitMerge(dtype, key.head_dim, key.group, key.has_lse), *merge_args, options=options
     )
-    with _lock:
-        _cache[key] = (pod, merge)
     return pod, merge
 
 
@@ -169,7 +260,6 @@ def compile_all(arch: str, check: bool = False, out=None) -> int:
     generated PTX uses wgmma and setmaxnreg (the compiler falls back silently otherwise).
     """
     import sys
-    import time
 
     out = out or sys.stdout
     if arch not in SUPPORTED_ARCHS:

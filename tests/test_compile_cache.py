@@ -1,0 +1,78 @@
+"""The compile cache: distinct keys for distinct code, disk round trip, one compile
+across processes, corrupt entries rebuilt, unsupported architectures refused."""
+
+import itertools
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from podcute.compile import VariantKey, cache_dir
+
+pytestmark = pytest.mark.compile
+
+SCRIPT = textwrap.dedent("""
+    import time, torch
+    from podcute.compile import VariantKey, compile_variant
+    key = VariantKey.make(torch.bfloat16, 64, 4, True, False)
+    t = time.perf_counter()
+    pod, merge = compile_variant(key)
+    print(f"seconds {time.perf_counter() - t:.3f}", type(pod).__name__)
+""")
+
+
+def run_script(cache, log):
+    env = dict(os.environ, PODCUTE_CACHE_DIR=str(cache), PODCUTE_COMPILE_LOG=str(log),
+               CUTE_DSL_ARCH="sm_90a")
+    return subprocess.Popen([sys.executable, "-c", SCRIPT], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def compiles(log):
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def test_keys_differ_for_different_code():
+    configs = list(itertools.product((torch.bfloat16, torch.float16), (64, 128), (1, 4, 7),
+                                     (True, False), (True, False)))
+    keys = {VariantKey.make(*c) for c in configs}
+    assert len(keys) == len(configs)
+    assert VariantKey.make(torch.bfloat16, 128, 4, True, True) == VariantKey.make(
+        torch.bfloat16, 128, 4, True, True)
+
+
+def test_two_processes_compile_once_then_disk_hits(tmp_path):
+    cache, log = tmp_path / "cache", tmp_path / "compiles.log"
+    procs = [run_script(cache, log) for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert len(compiles(log)) == 1, compiles(log)
+    # A third process loads from disk without compiling.
+    third = run_script(cache, log)
+    out, err = third.communicate(timeout=600)
+    assert third.returncode == 0, err
+    assert len(compiles(log)) == 1
+    entries = list((cache / cache_dir().name).glob("*.o"))
+    assert len(entries) == 1 and entries[0].stat().st_size > 0
+
+
+def test_corrupt_entry_is_rebuilt(tmp_path):
+    cache, log = tmp_path / "cache", tmp_path / "compiles.log"
+    p = run_script(cache, log)
+    assert p.wait(timeout=600) == 0
+    (entry,) = (cache / cache_dir().name).glob("*.o")
+    entry.write_bytes(b"not an object file")
+    p = run_script(cache, log)
+    out, err = p.communicate(timeout=600)
+    assert p.returncode == 0, err
+    assert len(compiles(log)) == 2
+    assert entry.stat().st_size > 1000
+
+
+def test_cache_dir_is_namespaced(monkeypatch, tmp_path):
+    monkeypatch.setenv("PODCUTE_CACHE_DIR", str(tmp_path))
+    d = cache_dir("sm_90a")
+    assert d.parent == tmp_path and d.name.startswith("sm_90a-cutlass-dsl-")
