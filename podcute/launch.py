@@ -23,16 +23,29 @@ def require_sm90(device: torch.device) -> None:
         raise RuntimeError(unsupported_arch_message(arch))
 
 
+_variants: dict = {}
+
+
+def _kernels(device, dtype, head_dim, group, causal, has_lse):
+    """Compiled (pod, merge) for these static facts: a dict hit after the first call."""
+    facts = (device, dtype, head_dim, group, causal, has_lse)
+    kernels = _variants.get(facts)
+    if kernels is None:
+        require_sm90(device)
+        kernels = compile_variant(VariantKey.make(dtype, head_dim, group, causal, has_lse))
+        _variants[facts] = kernels
+    return kernels
+
+
 def launch(plan, q, k_cache, v_cache, out, lse, kv_layout: str = "NHD"):
     """Run the fused POD kernel (and the split-KV merge) for `plan`.
 
     `out` is [total_q, Hq, D] (q's dtype), `lse` is [total_q, Hq] float32 or None.
     Raises RuntimeError naming what is needed when no sm_90 GPU is available.
     """
-    require_sm90(q.device)
     cfg = plan.config
-    key = VariantKey.make(q.dtype, cfg.head_dim, cfg.group_size, plan.causal, lse is not None)
-    pod, merge = compile_variant(key)
+    pod, merge = _kernels(q.device, q.dtype, cfg.head_dim, cfg.group_size, plan.causal,
+                          lse is not None)
     if kv_layout == "HND":
         # The kernel addresses (page, slot, head, dim); HND is that view with two strides
         # swapped (layouts.canonical_kv in torch terms), so both layouts share one variant.
