@@ -12,6 +12,7 @@ import fcntl
 import hashlib
 import os
 import subprocess
+import tempfile
 import threading
 import time
 import warnings
@@ -242,7 +243,11 @@ def _compile(key: VariantKey, keep_ptx: bool):
 
     dtype = _cutlass_dtype(key.dtype)
     pod_args, merge_args = _fake_args(key)
-    options = "--enable-tvm-ffi" + (" --keep-ptx" if keep_ptx else "")
+    options = "--enable-tvm-ffi"
+    if keep_ptx:  # kept in memory (__ptx__); the dump itself goes to a scratch folder
+        scratch = Path(tempfile.gettempdir()) / "podcute-ptx"
+        scratch.mkdir(exist_ok=True)
+        options += f" --keep-ptx --dump-dir {scratch}"
     pod = cute.compile(
         PodAttentionSm90(dtype, key.head_dim, key.group, key.causal, key.has_lse),
         *pod_args, options=options,
