@@ -1,0 +1,594 @@
+"""podcute benchmark: fused POD attention vs podcute serial, FA4 and the roofline.
+
+    python -m perf.bench [--quick] [--out DIR]
+
+One process measures the ceilings (copy bandwidth, bf16 matmul rate), then for every
+workload of perf.workloads (each at page 16 and 128; --quick: M1, D1, F1 at page 16 and a
+small sweep) times, with CUDA events and launch gaps hidden (perf.timing):
+
+- fused:  PODAttention.run() over the whole batch, after one plan();
+- serial: podcute on the prefill part, then on the decode part (two planned objects
+          sharing the caches; q / out are row slices);
+- fa4:    FlashAttention-4's one varlen paged call over the whole batch;
+- fa4x2:  FA4 on the prefill part, then on the decode part.
+
+Every output is checked once against podcute's float32 reference (rel L2 <= 5e-3),
+outside the timed region. Writes <out>/bench.json, <out>/bench.md and PNG plots, and
+prints the markdown last. The JSON is rewritten after every workload, so a run that is
+cut short keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import torch
+
+from perf import workloads as W
+from perf.timing import host_time_per_call, sleep_cycles_per_second, time_gpu
+
+REL_L2_TOL = 5e-3
+METHODS = ("fused", "serial", "fa4", "fa4x2")
+T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - T0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def _err(e: BaseException) -> dict:
+    return {"error": f"{type(e).__name__}: {e}"[:800]}
+
+
+# --------------------------------------------------------------------------------------
+# Ceilings
+# --------------------------------------------------------------------------------------
+
+
+def measure_ceilings() -> dict:
+    n = 2 << 30  # bf16 elements: a 4 GiB tensor
+    src = torch.randn(n, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    t_copy = time_gpu(lambda i: dst.copy_(src), reps=10, warmup=3)
+    copy_bps = 2 * src.numel() * src.element_size() / (t_copy.ms * 1e-3)
+    del src, dst
+    torch.cuda.empty_cache()
+    m = 8192
+    a = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
+    c = torch.empty(m, m, dtype=torch.bfloat16, device="cuda")
+    t_mm = time_gpu(lambda i: torch.matmul(a, b, out=c), reps=20, warmup=5)
+    mm_fps = 2 * m**3 / (t_mm.ms * 1e-3)
+    del a, b, c
+    torch.cuda.empty_cache()
+    return dict(copy_bytes_per_s=copy_bps, copy_ms=t_copy.ms, copy_tensor_bytes=n * 2,
+                matmul_flops_per_s=mm_fps, matmul_ms=t_mm.ms, matmul_size=m)
+
+
+# --------------------------------------------------------------------------------------
+# One workload
+# --------------------------------------------------------------------------------------
+
+
+class Ctx:
+    """What every workload run needs: the libraries, ceilings and options."""
+
+    def __init__(self, args, ceilings, pod_cls, fa4_fn, device="cuda"):
+        self.args, self.ceil, self.pod_cls, self.fa4 = args, ceilings, pod_cls, fa4_fn
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # An explicit index: tensors made on it say cuda:N, and so does every object
+            # constructed with it (a plain "cuda" would compare unequal to cuda:0).
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.l2_bytes = 50 << 20
+        if self.device.type == "cuda":
+            props = torch.cuda.get_device_properties(self.device)
+            self.l2_bytes = int(getattr(props, "L2_cache_size", self.l2_bytes))
+
+
+def _rel_l2(out, ref) -> float:
+    ref = ref.float()
+    return float((out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def _sets(batch, ws_bytes, l2_bytes, max_sets=6):
+    """Input sets to rotate through so that one call's inputs are not in L2 from the last."""
+    n = min(max_sets, max(1, math.ceil(3 * l2_bytes / max(ws_bytes, 1))))
+    sets = [(batch.q, batch.k_cache, batch.v_cache)]
+    for _ in range(n - 1):
+        sets.append((batch.q.clone(), batch.k_cache.clone(), batch.v_cache.clone()))
+    return sets
+
+
+def run_workload(w: W.Workload, page: int, ctx: Ctx, *, reps: int, warmup: int,
+                 check: bool = True, methods=METHODS, seed: int = 0) -> dict:
+    from podcute.testing import make_batch
+
+    ceil = ctx.ceil
+    res = dict(
+        name=w.name, kind=w.kind, page_size=page, params=w.params,
+        num_qo_heads=w.num_qo_heads, num_kv_heads=w.num_kv_heads, head_dim=w.head_dim,
+        batch_size=w.batch_size, total_q=w.total_q, num_prefill=w.num_prefill,
+        flops=W.flops(w), bytes=W.bytes_moved(w),
+        roofline_ms=W.roofline_s(w, ceil["matmul_flops_per_s"], ceil["copy_bytes_per_s"]) * 1e3,
+        bound=W.bound(w, ceil["matmul_flops_per_s"], ceil["copy_bytes_per_s"]),
+        anchors=W.anchors(w.name, page), timings={}, rel_l2={}, notes=[],
+    )
+    # garbage=0: FA4 loads whole pages by TMA at page 128 and needs finite values in the
+    # unused tail of a last page (its docstring); the data itself is random normal.
+    batch = make_batch(w.q_lens, w.kv_lens, num_qo_heads=w.num_qo_heads,
+                       num_kv_heads=w.num_kv_heads, head_dim=w.head_dim, page_size=page,
+                       dtype=torch.bfloat16, device=ctx.device, kv_layout="NHD",
+                       page_format="table", pool_factor=1.1, garbage=0.0, seed=seed)
+    if w.params.get("shuffled_from"):
+        res["notes"].append(f"requests of {w.params['shuffled_from']} in shuffled order")
+    sets = _sets(batch, res["bytes"], ctx.l2_bytes)
+    res["input_sets"] = len(sets)
+    ref = batch.reference(causal=w.causal) if check else None
+    cu, kv, bt = batch.cu_seqlens_q, batch.seqused_k, batch.block_table
+    B, np_ = w.batch_size, w.num_prefill
+    tp = sum(w.q_lens[:np_]) if w.has_split else None
+    out = torch.empty_like(batch.q)
+
+    fns = {}  # method -> fn(i) that runs on input set i % len(sets)
+    if ctx.pod_cls is not None and "fused" in methods:
+        def make_pod(b, t):
+            return ctx.pod_cls(w.num_qo_heads, w.num_kv_heads, w.head_dim, page,
+                               dtype=torch.bfloat16, kv_layout="NHD", device=ctx.device,
+                               max_batch_size=max(b, 1), max_num_tokens=max(t, 1))
+        try:
+            att = make_pod(B, w.total_q)
+            summary = att.plan(cu, kv, block_table=bt, causal=w.causal)
+            summary = getattr(summary, "summary", summary)  # a PlanSummary (or a Plan)
+            if summary is not None:
+                res["plan_summary"] = str(summary)
+
+            def fused(i, att=att):
+                q, k, v = sets[i % len(sets)]
+                att.run(q, k, v, out=out)
+            fns["fused"] = fused
+        except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+            res["timings"]["fused"] = _err(e)
+        if w.has_split and "serial" in methods:
+            try:
+                pre, dec = make_pod(np_, tp), make_pod(B - np_, w.total_q - tp)
+                pre.plan(cu[: np_ + 1], kv[:np_], block_table=bt[:np_], causal=w.causal)
+                dec.plan(cu[np_:] - tp, kv[np_:], block_table=bt[np_:], causal=w.causal)
+
+                def serial(i, pre=pre, dec=dec):
+                    q, k, v = sets[i % len(sets)]
+                    pre.run(q[:tp], k, v, out=out[:tp])
+                    dec.run(q[tp:], k, v, out=out[tp:])
+                fns["serial"] = serial
+            except Exception as e:  # noqa: BLE001
+                res["timings"]["serial"] = _err(e)
+    if ctx.fa4 is not None and "fa4" in methods:
+        fa4 = ctx.fa4
+
+        def fa4_call(q, k, v, cu_q, seqused, table, max_q):
+            return fa4(q, k, v, cu_seqlens_q=cu_q, seqused_k=seqused, page_table=table,
+                       max_seqlen_q=max_q, causal=w.causal)[0]
+
+        maxq = max(w.q_lens)
+        fa4_out = [None]
+
+        def fa4_one(i):
+            q, k, v = sets[i % len(sets)]
+            fa4_out[0] = fa4_call(q, k, v, cu, kv, bt, maxq)
+        fns["fa4"] = fa4_one
+        if w.has_split and "fa4x2" in methods:
+            cu_dec = (cu[np_:] - tp).contiguous()
+            maxq_pre, maxq_dec = max(w.q_lens[:np_]), max(w.q_lens[np_:])
+
+            def fa4_two(i):
+                q, k, v = sets[i % len(sets)]
+                o1 = fa4_call(q[:tp], k, v, cu[: np_ + 1], kv[:np_], bt[:np_], maxq_pre)
+                o2 = fa4_call(q[tp:], k, v, cu_dec, kv[np_:], bt[np_:], maxq_dec)
+                fa4_out[0] = (o1, o2)
+            fns["fa4x2"] = fa4_two
+
+    def output_of(name):
+        if name in ("fused", "serial"):
+            return out
+        o = fa4_out[0]
+        return torch.cat(o) if isinstance(o, tuple) else o
+
+    for name, fn in fns.items():
+        try:
+            if check:  # one call outside the timed region, checked against the reference
+                out.fill_(float("nan"))
+                fn(0)
+                res["rel_l2"][name] = _rel_l2(output_of(name), ref)
+            res["timings"][name] = time_gpu(fn, reps=reps, warmup=warmup).to_dict()
+        except Exception as e:  # noqa: BLE001
+            res["timings"][name] = _err(e)
+            log(f"  {w.name}/p{page} {name}: {res['timings'][name]['error'][:200]}")
+    for name, err in res["rel_l2"].items():
+        if not err <= REL_L2_TOL:  # also catches NaN
+            res["notes"].append(f"{name} rel L2 {err:.2e} > {REL_L2_TOL}")
+
+    if w.name == "D1" and page == 16:
+        res["host"] = {}
+        for name in ("fused", "fa4"):
+            if name in fns:
+                try:
+                    res["host"][name] = host_time_per_call(lambda fn=fns[name]: fn(0))
+                except Exception as e:  # noqa: BLE001
+                    res["host"][name] = _err(e)
+    del batch, sets, ref, out, fns
+    if ctx.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return res
+
+
+# --------------------------------------------------------------------------------------
+# Derived numbers, targets
+# --------------------------------------------------------------------------------------
+
+
+def ms(res, method, key="ms"):
+    t = res["timings"].get(method)
+    return t.get(key) if isinstance(t, dict) else None
+
+
+def derive(res, by_key=None) -> dict:
+    """Ratios of one result (None where a number is missing)."""
+    f, s, a, a2 = (ms(res, m) for m in METHODS)
+    roof = res["roofline_ms"]
+    fi_est = None
+    anc = res["anchors"]
+    if anc.get("flashinfer_pod_ms") and anc.get("fa4_ms") and a:
+        # FlashInfer's earlier number, rescaled by how FA4 moved between that run and this.
+        fi_est = anc["flashinfer_pod_ms"] * a / anc["fa4_ms"]
+    peers = [x for x in (a, a2, fi_est) if x]
+    best = min(peers) if peers else None
+    return dict(
+        fused_ms=f, serial_ms=s, fa4_ms=a, fa4x2_ms=a2, fi_est_ms=fi_est, best_peer_ms=best,
+        fused_over_roofline=f / roof if f else None,
+        roofline_fraction=roof / f if f else None,
+        speedup_vs_best_peer=best / f if (f and best) else None,
+        speedup_vs_fa4=a / f if (f and a) else None,
+        speedup_vs_serial=s / f if (f and s) else None,
+    )
+
+
+def targets(main_results) -> list:
+    """[(target, value, passed)] from the issue, per page size."""
+    out = []
+    pages = sorted({r["page_size"] for r in main_results})
+    for page in pages:
+        rs = {r["name"]: r for r in main_results if r["page_size"] == page}
+        for name in W.MIXED:
+            if name not in rs:
+                continue
+            d = derive(rs[name])
+            v = d["fused_over_roofline"]
+            out.append((f"{name} p{page}: fused <= {W.MIXED_MAX_ROOFLINE_RATIO} x roofline",
+                        v, v is not None and v <= W.MIXED_MAX_ROOFLINE_RATIO))
+            v = d["speedup_vs_best_peer"]
+            out.append((f"{name} p{page}: faster than best peer (best peer / fused)",
+                        v, v is not None and v > 1.0))
+        if "D1" in rs:
+            v = derive(rs["D1"])["roofline_fraction"]
+            out.append((f"D1 p{page}: >= {W.DECODE_MIN_ROOFLINE_FRACTION} of roofline", v,
+                        v is not None and v >= W.DECODE_MIN_ROOFLINE_FRACTION))
+        if "F1" in rs:
+            v = derive(rs["F1"])["speedup_vs_fa4"]
+            out.append((f"F1 p{page}: faster than FA4 (FA4 / fused)", v,
+                        v is not None and v > 1.0))
+        sp = [derive(rs[n])["speedup_vs_serial"] for n in W.SERIAL_TARGET_SET if n in rs]
+        if sp and all(sp):
+            g = W.geomean(sp)
+            out.append((f"p{page}: geomean serial / fused over "
+                        f"{','.join(n for n in W.SERIAL_TARGET_SET if n in rs)} "
+                        f">= {W.SERIAL_MIN_SPEEDUP_GEOMEAN}", g,
+                        g >= W.SERIAL_MIN_SPEEDUP_GEOMEAN))
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Reports
+# --------------------------------------------------------------------------------------
+
+
+def _f(x, fmt="{:.3f}"):
+    return "-" if x is None else fmt.format(x)
+
+
+def markdown(report) -> str:
+    c, env = report["ceilings"], report["env"]
+    lines = [
+        "# podcute benchmark",
+        "",
+        f"{env.get('gpu')}, torch {env.get('torch')}, CUDA {env.get('cuda')}, "
+        f"podcute {env.get('git')} ({env.get('podcute_api')}), FA4: {env.get('fa4')}",
+        "",
+        f"Ceilings (this run): copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s (read+write), "
+        f"bf16 matmul {c['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s. "
+        "Times are GPU ms (median, launch gaps hidden); 'gaps' = issued back to back "
+        "without hiding. Ratios: fused/roof (target <= 1.25, D1 roof/fused >= 0.90), "
+        "peer/fused and serial/fused are speedups of fused (> 1 = fused faster). "
+        "FI est. = FlashInfer BatchPOD anchor x (FA4 this run / FA4 anchor). "
+        "Anchors: earlier run on this H200.",
+        "",
+        "| workload | page | bound | roofline | fused | fused gaps | serial | FA4 | FA4x2 "
+        "| FI est. | fused/roof | best peer/fused | FA4/fused | serial/fused | max rel L2 "
+        "| anchor roof | anchor FI POD | anchor FA4 | notes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["main"]:
+        d = derive(r)
+        errs = [v for v in r["rel_l2"].values() if v is not None]
+        notes = list(r["notes"]) + [f"{m}: {t['error'][:80]}" for m, t in r["timings"].items()
+                                    if isinstance(t, dict) and "error" in t]
+        if r["timings"].get("fused", {}).get("queue_full") is False:
+            notes.append("fused: queue not kept full")
+        base = [o for o in report["main"] if o["name"] == r["params"].get("shuffled_from")
+                and o["page_size"] == r["page_size"]]
+        if base and d["fused_ms"] and ms(base[0], "fused"):
+            notes.append(f"fused / fused({base[0]['name']}) = "
+                         f"{d['fused_ms'] / ms(base[0], 'fused'):.3f}")
+        a = r["anchors"]
+        lines.append(
+            f"| {r['name']} | {r['page_size']} | {r['bound']} | {_f(r['roofline_ms'])} "
+            f"| {_f(d['fused_ms'])} | {_f(ms(r, 'fused', 'gaps_ms'))} | {_f(d['serial_ms'])} "
+            f"| {_f(d['fa4_ms'])} | {_f(d['fa4x2_ms'])} | {_f(d['fi_est_ms'])} "
+            f"| {_f(d['fused_over_roofline'], '{:.2f}')} "
+            f"| {_f(d['speedup_vs_best_peer'], '{:.2f}')} | {_f(d['speedup_vs_fa4'], '{:.2f}')} "
+            f"| {_f(d['speedup_vs_serial'], '{:.2f}')} "
+            f"| {_f(max(errs) if errs else None, '{:.1e}')} "
+            f"| {_f(a['roofline_ms'])} | {_f(a['flashinfer_pod_ms'])} | {_f(a['fa4_ms'])} "
+            f"| {'; '.join(notes)} |")
+    lines += ["", "## Targets", "", "| target | value | pass |", "|---|---|---|"]
+    for name, v, ok in report["targets"]:
+        lines.append(f"| {name} | {_f(v, '{:.3f}')} | {'PASS' if ok else 'FAIL'} |")
+    if report.get("host"):
+        lines += ["", "## Host time per call (D1, page 16, 200 calls, sync at the end)", "",
+                  "| method | issue us/call | wall us/call |", "|---|---|---|"]
+        for m, h in report["host"].items():
+            if "error" in h:
+                lines.append(f"| {m} | error | {h['error'][:80]} |")
+            else:
+                lines.append(f"| {m} | {h['issue_us']:.1f} | {h['wall_us']:.1f} |")
+    sw = report.get("sweep") or []
+    if sw:
+        lines += ["", "## Sweep (page 16): one prefill chunk + decode batch @ ctx", ""]
+        for title, key in (("serial / fused", "speedup_vs_serial"),
+                           ("roofline / fused", "roofline_fraction"),
+                           ("FA4 / fused", "speedup_vs_fa4")):
+            rows, cols, grid = sweep_grid(sw, key)
+            lines += [f"**{title}**", "",
+                      "| chunk | " + " | ".join(_col(x, b) for x, b in cols) + " |",
+                      "|---" * (len(cols) + 1) + "|"]
+            for i, chunk in enumerate(rows):
+                lines.append(f"| {chunk} | " + " | ".join(_f(v, "{:.2f}") for v in grid[i]) + " |")
+            vals = [v for row in grid for v in row if v]
+            if vals:
+                lines.append(f"\ngeomean {W.geomean(vals):.2f}, min {min(vals):.2f}, "
+                             f"max {max(vals):.2f}")
+            lines.append("")
+        bad = [f"{r['name']}: {'; '.join(r['notes'])}" for r in sw if r["notes"]]
+        if bad:
+            lines += ["Sweep failures: " + " / ".join(bad), ""]
+    if report.get("skipped"):
+        lines += ["", f"Skipped (time budget): {', '.join(report['skipped'])}"]
+    return "\n".join(lines) + "\n"
+
+
+def _col(ctx, batch) -> str:
+    return f"{batch}@{ctx // 1024}K" if ctx % 1024 == 0 else f"{batch}@{ctx}"
+
+
+def sweep_grid(sweep_results, key):
+    rows = sorted({r["params"]["chunk"] for r in sweep_results})
+    cols = sorted({(r["params"]["ctx"], r["params"]["batch"]) for r in sweep_results})
+    grid = [[None] * len(cols) for _ in rows]
+    for r in sweep_results:
+        p = r["params"]
+        grid[rows.index(p["chunk"])][cols.index((p["ctx"], p["batch"]))] = derive(r)[key]
+    return rows, cols, grid
+
+
+def plots(report, out_dir) -> list:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import numpy as np
+    except Exception as e:  # noqa: BLE001
+        log(f"no plots: {e}")
+        return []
+    files = []
+    main = [r for r in report["main"] if r["params"].get("shuffled_from") is None]
+    if main:
+        labels = [f"{r['name']}\np{r['page_size']}" for r in main]
+        series = [("podcute fused", "fused_ms"), ("podcute serial", "serial_ms"),
+                  ("FA4 1 call", "fa4_ms"), ("FA4 2 calls", "fa4x2_ms")]
+        vals = [[derive(r)[k] or 0 for r in main] for _, k in series]
+        vals.append([r["roofline_ms"] for r in main])
+        names = [s for s, _ in series] + ["roofline"]
+        x = np.arange(len(main))
+        width = 0.16
+        fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(main)), 5))
+        for j, (name, v) in enumerate(zip(names, vals)):
+            ax.bar(x + (j - 2) * width, v, width, label=name,
+                   color="black" if name == "roofline" else None)
+        ax.set_xticks(x, labels)
+        ax.set_ylabel("GPU ms (median, gaps hidden)")
+        ax.set_title("podcute vs peers and roofline (bf16, D128, causal)")
+        ax.legend()
+        fig.tight_layout()
+        path = os.path.join(out_dir, "bench_times.png")
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        files.append(path)
+    sw = report.get("sweep") or []
+    for key, title, fname in (
+        ("speedup_vs_serial", "podcute serial / fused (speedup of fused)", "sweep_vs_serial.png"),
+        ("roofline_fraction", "roofline / fused (fraction of roofline)", "sweep_roofline.png"),
+        ("speedup_vs_fa4", "FA4 / fused (speedup of fused)", "sweep_vs_fa4.png"),
+    ):
+        if not sw:
+            break
+        rows, cols, grid = sweep_grid(sw, key)
+        arr = np.array([[np.nan if v is None else v for v in row] for row in grid], dtype=float)
+        fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(cols) + 2), 0.6 * len(rows) + 2))
+        im = ax.imshow(arr, cmap="viridis", aspect="auto")
+        ax.set_xticks(range(len(cols)), [_col(x, b) for x, b in cols], rotation=45)
+        ax.set_yticks(range(len(rows)), [str(c) for c in rows])
+        ax.set_xlabel("decode batch @ decode ctx")
+        ax.set_ylabel("prefill chunk")
+        for i in range(len(rows)):
+            for j in range(len(cols)):
+                if not np.isnan(arr[i, j]):
+                    ax.text(j, i, f"{arr[i, j]:.2f}", ha="center", va="center", color="w",
+                            fontsize=8)
+        fig.colorbar(im, ax=ax)
+        ax.set_title(f"sweep, page 16: {title}")
+        fig.tight_layout()
+        path = os.path.join(out_dir, fname)
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        files.append(path)
+    return files
+
+
+def environment(fa4_note) -> dict:
+    env = dict(python=platform.python_version(), torch=torch.__version__,
+               cuda=torch.version.cuda, gpu=torch.cuda.get_device_name(0),
+               num_sms=torch.cuda.get_device_properties(0).multi_processor_count,
+               fa4=fa4_note)
+    try:
+        env["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                    text=True, timeout=10,
+                                    cwd=os.path.dirname(__file__)).stdout.strip() or "?"
+    except Exception:  # noqa: BLE001
+        env["git"] = "?"
+    return env
+
+
+# --------------------------------------------------------------------------------------
+# Driver
+# --------------------------------------------------------------------------------------
+
+
+def _guarded(w, page, fn) -> dict:
+    """fn()'s result, or a result that records why the workload could not run at all
+    (e.g. out of memory, or a CUDA context lost to an earlier fault)."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001
+        log(f"  {w.name}/p{page} failed: {type(e).__name__}: {e}"[:300])
+        return dict(name=w.name, kind=w.kind, page_size=page, params=w.params,
+                    roofline_ms=float("nan"), bound="-", anchors=W.anchors(w.name, page),
+                    timings={}, rel_l2={}, notes=[_err(e)["error"][:200]])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="M1, D1, F1 at page 16, small sweep")
+    p.add_argument("--out", default=os.path.join("perf", "results"))
+    p.add_argument("--reps", type=int, default=None, help="timed calls per method (50; quick 30)")
+    p.add_argument("--sweep-reps", type=int, default=10)
+    p.add_argument("--no-fa4", action="store_true")
+    p.add_argument("--no-sweep", action="store_true")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="skip remaining sweep points after this many seconds (450; quick 100)")
+    args = p.parse_args(argv)
+    reps = args.reps or (30 if args.quick else 50)
+    budget = args.budget_s or (100.0 if args.quick else 450.0)
+    if not torch.cuda.is_available():
+        print("perf.bench needs a CUDA GPU", file=sys.stderr)
+        return 2
+    os.makedirs(args.out, exist_ok=True)
+    torch.cuda.set_device(0)
+
+    pod_cls, pod_note = None, "podcute.api.PODAttention"
+    try:
+        from podcute.api import PODAttention as pod_cls
+    except Exception as e:  # noqa: BLE001
+        pod_note = f"unavailable: import failed ({type(e).__name__}: {e})"[:300]
+        log(f"podcute {pod_note}; timing peers only")
+    fa4_fn, fa4_note = None, "disabled (--no-fa4)"
+    if not args.no_fa4:
+        try:
+            from flash_attn.cute.interface import flash_attn_varlen_func as fa4_fn
+
+            fa4_note = "flash_attn.cute.interface.flash_attn_varlen_func"
+        except Exception as e:  # noqa: BLE001
+            fa4_note = f"skipped: import failed ({type(e).__name__}: {e})"[:300]
+            log(f"FA4 {fa4_note}")
+
+    main_wl, pages, sweep_wl = W.workloads(args.quick)
+    report = dict(env=dict(environment(fa4_note), podcute_api=pod_note), args=vars(args),
+                  ceilings=None, main=[], sweep=[], host={}, targets=[], skipped=[])
+    json_path = os.path.join(args.out, "bench.json")
+
+    def save():
+        report["targets"] = targets(report["main"])
+        with open(json_path, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+
+    with torch.no_grad():
+        log("ceilings")
+        sleep_cycles_per_second()
+        report["ceilings"] = ctx_ceil = measure_ceilings()
+        log(f"  copy {ctx_ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
+            f"matmul {ctx_ceil['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s")
+        ctx = Ctx(args, ctx_ceil, pod_cls, fa4_fn)
+
+        for page in pages:
+            for k, w in enumerate(main_wl):
+                if w.params.get("shuffled_from") and page != pages[0]:
+                    continue
+                log(f"{w.name} page {page}")
+                r = _guarded(w, page, lambda: run_workload(w, page, ctx, reps=reps, warmup=5,
+                                                           seed=k))
+                report["main"].append(r)
+                if "host" in r:
+                    report["host"] = r.pop("host")
+                d = derive(r)
+                log(f"  fused {_f(d['fused_ms'])} serial {_f(d['serial_ms'])} "
+                    f"fa4 {_f(d['fa4_ms'])} fa4x2 {_f(d['fa4x2_ms'])} "
+                    f"roof {r['roofline_ms']:.3f} ms; rel L2 {r['rel_l2']}")
+                save()
+
+        if not args.no_sweep:
+            for k, w in enumerate(sweep_wl):
+                if time.perf_counter() - T0 > budget:
+                    report["skipped"].append(w.name)
+                    continue
+                r = _guarded(w, 16, lambda: run_workload(
+                    w, 16, ctx, reps=args.sweep_reps, warmup=2,
+                    methods=("fused", "serial", "fa4"), seed=100 + k))
+                report["sweep"].append(r)
+                d = derive(r)
+                log(f"{w.name}: fused {_f(d['fused_ms'])} serial/fused "
+                    f"{_f(d['speedup_vs_serial'], '{:.2f}')} roof/fused "
+                    f"{_f(d['roofline_fraction'], '{:.2f}')}")
+                save()
+            if report["skipped"]:
+                log(f"skipped {len(report['skipped'])} sweep points (budget {budget:.0f} s)")
+
+    save()
+    report["plots"] = plots(report, args.out)
+    save()
+    md = markdown(report)
+    with open(os.path.join(args.out, "bench.md"), "w") as f:
+        f.write(md)
+    log(f"wrote {json_path}, bench.md, {len(report['plots'])} plots; "
+        f"total {time.perf_counter() - T0:.0f} s")
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
