@@ -9,7 +9,9 @@ _src_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
 if _os.path.isfile(_os.path.join(_src_root, "layouts", "__init__.py")):
     __path__.append(_src_root)
 
+from podcute.api import PODAttention, pod_attention  # noqa: E402
+from podcute.plan import PlanSummary  # noqa: E402
 from podcute.reference import pod_attention_reference  # noqa: E402
 
-__all__ = ["pod_attention_reference"]
+__all__ = ["PODAttention", "pod_attention", "pod_attention_reference", "PlanSummary"]
 __version__ = "0.1.0"

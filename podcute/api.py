@@ -1,0 +1,320 @@
+"""Public entry points: :class:`PODAttention` (plan once per step, run per layer) and the
+one-shot :func:`pod_attention`.
+
+All input validation lives here and happens before anything touches a GPU, so a bad
+argument is reported as such on any machine; each error is a TypeError (wrong dtype or
+type) or ValueError (wrong shape, device, value) whose message names the argument.
+run() re-checks only what can change between layers (the tensors), not what plan()
+validated (lengths, page tables).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from podcute.kernels.config import SUPPORTED_HEAD_DIMS, SUPPORTED_PAGE_SIZES
+from podcute.plan import Plan, Planner, PlanSummary
+
+__all__ = ["PODAttention", "pod_attention", "PlanSummary", "KV_LAYOUTS"]
+
+KV_LAYOUTS = ("NHD", "HND")
+_DTYPES = (torch.bfloat16, torch.float16)
+_NEED_HOPPER = "podcute needs an NVIDIA Hopper GPU (sm_90a: H100/H200) to run the kernel; found "
+
+
+# --------------------------------------------------------------------------------------
+# Checks
+# --------------------------------------------------------------------------------------
+
+
+def _check_int(name, v, allowed=None, positive=True):
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+    if allowed is not None and v not in allowed:
+        raise ValueError(f"{name} must be one of {tuple(allowed)}, got {v}")
+    if positive and v < 1:
+        raise ValueError(f"{name} must be >= 1, got {v}")
+
+
+def _check_layout(kv_layout):
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
+
+
+def _check_index(name, t, device, ndim, length=None, optional=False):
+    """An int32 index tensor on the CPU or on `device` (numpy int32 arrays are accepted:
+    the planner reads them on the host anyway)."""
+    if t is None:
+        if optional:
+            return
+        raise ValueError(f"{name} is required")
+    if isinstance(t, torch.Tensor):
+        if t.dtype != torch.int32:
+            raise TypeError(f"{name} must be an int32 tensor, got {t.dtype}")
+        if t.device.type != "cpu" and not _same_device(t.device, device):
+            raise ValueError(f"{name} is on {t.device}; index tensors must be on the CPU or on "
+                             f"the attention's device ({device})")
+        if ndim == 2 and t.dim() == 2 and t.shape[1] > 1 and t.stride(1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension, got strides "
+                             f"{tuple(t.stride())}")
+    elif hasattr(t, "dtype") and hasattr(t, "shape"):  # numpy
+        if str(t.dtype) != "int32":
+            raise TypeError(f"{name} must be int32, got {t.dtype}")
+    else:
+        raise TypeError(f"{name} must be an int32 torch.Tensor, got {type(t).__name__}")
+    if len(t.shape) != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if length is not None and t.shape[0] != length:
+        raise ValueError(f"{name} must have {length} entries along dim 0, got shape "
+                         f"{tuple(t.shape)}")
+
+
+def _check_aligned_rows(*named):
+    """The kernel moves rows in 16-byte pieces (cp.async): every row must start 16-byte
+    aligned, i.e. an aligned data pointer and strides that are multiples of 8 elements."""
+    for name, t in named:
+        if t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:-1]):
+            raise ValueError(f"{name} rows must be 16-byte aligned: data pointer % 16 == 0 and "
+                             f"strides (except the last) multiples of 8 elements; got strides "
+                             f"{tuple(t.stride())} and data pointer {t.data_ptr():#x}")
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    if a == b:
+        return True
+    if a.type != b.type:
+        return False
+    if a.type != "cuda":
+        return True
+    ia = a.index if a.index is not None else torch.cuda.current_device()
+    ib = b.index if b.index is not None else torch.cuda.current_device()
+    return ia == ib
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper_problem(device: torch.device) -> str | None:
+    """None if `device` can run the kernel, else what was found instead (cached)."""
+    if device.type != "cuda":
+        cuda = ("no CUDA device" if not torch.cuda.is_available()
+                else f"{torch.cuda.device_count()} CUDA device(s)")
+        return f"tensors on {device} ({cuda} on this machine)"
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) != (9, 0):
+        name = torch.cuda.get_device_name(device)
+        return f"{name} (sm_{major}{minor})"
+    return None
+
+
+def _require_hopper(device: torch.device) -> None:
+    problem = _hopper_problem(device)
+    if problem is not None:
+        raise RuntimeError(_NEED_HOPPER + problem)
+
+
+# --------------------------------------------------------------------------------------
+# PODAttention
+# --------------------------------------------------------------------------------------
+
+
+class PODAttention:
+    """Fused prefill+decode paged attention for one head/page configuration.
+
+    ``plan()`` once per batch (host work, no GPU sync when the index tensors are on the
+    CPU), then ``run()`` once per layer. Buffers are sized from max_batch_size /
+    max_num_tokens and only grow (outside CUDA-graph capture) for a bigger batch.
+    """
+
+    def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+                 dtype: torch.dtype = torch.bfloat16, kv_layout: str = "NHD",
+                 device="cuda", max_batch_size: int = 256, max_num_tokens: int = 16384):
+        _check_int("num_qo_heads", num_qo_heads)
+        _check_int("num_kv_heads", num_kv_heads)
+        if num_qo_heads % num_kv_heads:
+            raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of "
+                             f"num_kv_heads ({num_kv_heads})")
+        _check_int("head_dim", head_dim, SUPPORTED_HEAD_DIMS)
+        _check_int("page_size", page_size, SUPPORTED_PAGE_SIZES)
+        _check_int("max_batch_size", max_batch_size)
+        _check_int("max_num_tokens", max_num_tokens)
+        if dtype not in _DTYPES:
+            raise TypeError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
+        _check_layout(kv_layout)
+        device = torch.device(device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(_NEED_HOPPER + "no CUDA device (construct with device='cpu' "
+                               "to plan on the host only)")
+        if device.type == "cuda" and device.index is None:
+            # An explicit index makes run()'s device checks one equality test.
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.num_qo_heads, self.num_kv_heads = num_qo_heads, num_kv_heads
+        self.head_dim, self.page_size = head_dim, page_size
+        self.dtype, self.kv_layout, self.device = dtype, kv_layout, device
+        self.planner = Planner(num_qo_heads, num_kv_heads, head_dim, page_size, device=device,
+                               max_batch_size=max_batch_size, max_num_tokens=max_num_tokens)
+        self._plan: Plan | None = None
+        self._page_arg = "block_table"
+
+    @property
+    def current_plan(self) -> Plan | None:
+        return self._plan
+
+    def plan(self, cu_seqlens_q, kv_lens=None, block_table=None, kv_indptr=None,
+             kv_indices=None, last_page_len=None, causal: bool = True,
+             sm_scale: float | None = None, *, _kv_name: str = "kv_lens") -> PlanSummary:
+        """Plan a batch. `cu_seqlens_q` int32 [B+1]; KV lengths from `kv_lens` int32 [B] or
+        FlashInfer's `last_page_len` (with CSR pages); pages from `block_table` int32
+        [B, max_pages] or CSR `kv_indptr` [B+1] + `kv_indices`. Index tensors may live on
+        the CPU (no GPU sync) or on the device (one device->host copy)."""
+        dev = self.device
+        _check_index("cu_seqlens_q", cu_seqlens_q, dev, 1)
+        B = cu_seqlens_q.shape[0] - 1
+        if B < 0:
+            raise ValueError("cu_seqlens_q must have B+1 >= 1 entries, got 0")
+        if (kv_lens is None) == (last_page_len is None):
+            raise ValueError(f"pass exactly one of {_kv_name} or last_page_len")
+        _check_index(_kv_name, kv_lens, dev, 1, B, optional=True)
+        _check_index("last_page_len", last_page_len, dev, 1, B, optional=True)
+        csr = kv_indptr is not None or kv_indices is not None
+        if (block_table is not None) == csr:
+            raise ValueError("pass exactly one page format: block_table, or kv_indptr and "
+                             "kv_indices")
+        if csr:
+            _check_index("kv_indptr", kv_indptr, dev, 1, B + 1)
+            _check_index("kv_indices", kv_indices, dev, 1)
+        else:
+            _check_index("block_table", block_table, dev, 2, B)
+        if last_page_len is not None and not csr:
+            raise ValueError("last_page_len needs the CSR page format (kv_indptr, kv_indices)")
+        if not isinstance(causal, bool):
+            raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+        if sm_scale is not None:
+            if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
+                raise TypeError(f"sm_scale must be a float or None, got {type(sm_scale).__name__}")
+            if not (math.isfinite(sm_scale) and sm_scale > 0):
+                raise ValueError(f"sm_scale must be a finite positive float, got {sm_scale}")
+        self._plan = None  # a failed plan() leaves no stale plan behind
+        self._plan = self.planner.plan(cu_seqlens_q, kv_lens, block_table=block_table,
+                                       kv_indptr=kv_indptr, kv_indices=kv_indices,
+                                       last_page_len=last_page_len, causal=causal,
+                                       sm_scale=sm_scale, _kv_name=_kv_name)
+        self._page_arg = "kv_indices" if csr else "block_table"
+        return self._plan.summary
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            out: torch.Tensor | None = None, return_lse: bool = False):
+        """Attention of the planned batch. q [total_q, Hq, D]; caches [num_pages, page_size,
+        Hkv, D] (NHD) or [num_pages, Hkv, page_size, D] (HND), any strides with a
+        contiguous last dim. Returns out [total_q, Hq, D] (q's dtype), and with
+        return_lse also lse [total_q, Hq] float32 (natural log)."""
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("PODAttention.run() called before plan(): plan the batch first")
+        Hq, Hkv, D, ps = self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size
+        for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if q.dtype != self.dtype:
+            raise TypeError(f"q must be {self.dtype} (this PODAttention's dtype), got {q.dtype}")
+        if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+            raise TypeError(f"k_cache and v_cache must have q's dtype {q.dtype}, got "
+                            f"{k_cache.dtype} and {v_cache.dtype}")
+        if not _same_device(q.device, self.device):
+            raise ValueError(f"q is on {q.device} but this PODAttention plans for {self.device}")
+        if not (_same_device(k_cache.device, q.device) and _same_device(v_cache.device, q.device)):
+            raise ValueError(f"q, k_cache and v_cache must be on one device, got {q.device}, "
+                             f"{k_cache.device} and {v_cache.device}")
+        if q.dim() != 3 or q.shape[1] != Hq or q.shape[2] != D:
+            raise ValueError(f"q must be [total_q, num_qo_heads={Hq}, head_dim={D}], got "
+                             f"shape {tuple(q.shape)}")
+        if q.shape[0] != plan.total_q:
+            raise ValueError(f"q has {q.shape[0]} rows but the planned batch has "
+                             f"cu_seqlens_q[-1] = {plan.total_q} query tokens")
+        want = ("[num_pages, page_size, num_kv_heads, head_dim]" if self.kv_layout == "NHD"
+                else "[num_pages, num_kv_heads, page_size, head_dim]")
+        exp = (ps, Hkv, D) if self.kv_layout == "NHD" else (Hkv, ps, D)
+        if k_cache.dim() != 4 or tuple(k_cache.shape[1:]) != exp:
+            raise ValueError(f"k_cache must be {want} = [num_pages, {', '.join(map(str, exp))}] "
+                             f"for kv_layout={self.kv_layout!r}, got shape {tuple(k_cache.shape)}")
+        if v_cache.shape != k_cache.shape:
+            raise ValueError(f"v_cache shape {tuple(v_cache.shape)} differs from k_cache shape "
+                             f"{tuple(k_cache.shape)}")
+        for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+            if t.stride(-1) != 1:
+                raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got "
+                                 f"strides {tuple(t.stride())}")
+        _check_aligned_rows(("q", q), ("k_cache", k_cache), ("v_cache", v_cache))
+        # Security boundary: no request may read outside the pool (O(1) in the usual case).
+        plan.check_pages(k_cache.shape[0], self._page_arg)
+        if out is not None:
+            if not isinstance(out, torch.Tensor):
+                raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+            if out.dtype != q.dtype:
+                raise TypeError(f"out must have q's dtype {q.dtype}, got {out.dtype}")
+            if tuple(out.shape) != tuple(q.shape):
+                raise ValueError(f"out must be [total_q, Hq, D] = {tuple(q.shape)}, got "
+                                 f"{tuple(out.shape)}")
+            if not _same_device(out.device, q.device):
+                raise ValueError(f"out is on {out.device}, q on {q.device}")
+            if out.stride(-1) != 1:
+                raise ValueError(f"out must have a contiguous last dimension, got strides "
+                                 f"{tuple(out.stride())}")
+            _check_aligned_rows(("out", out))
+        # Only now the device: never fall back to the reference silently.
+        _require_hopper(q.device)
+        if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = (torch.empty(q.shape[0], Hq, dtype=torch.float32, device=q.device)
+               if return_lse else None)
+        from podcute.launch import launch  # imports the CuTe DSL: only on a Hopper machine
+
+        launch(plan, q, k_cache, v_cache, out, lse, kv_layout=self.kv_layout)
+        return (out, lse) if return_lse else out
+
+
+# --------------------------------------------------------------------------------------
+# One-shot
+# --------------------------------------------------------------------------------------
+
+_CACHE: dict = {}
+
+
+def pod_attention(q, k_cache, v_cache, *, cu_seqlens_q, seqused_k, block_table, causal=True,
+                  sm_scale=None, kv_layout="NHD", return_lse=False, out=None):
+    """One call: plan + run (FlashAttention-style arguments). Plans every call, so
+    prefer PODAttention when the batch is reused across layers; pass the index tensors
+    on the CPU to keep plan() free of GPU syncs."""
+    _check_layout(kv_layout)
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if q.dim() != 3:
+        raise ValueError(f"q must be [total_q, num_qo_heads, head_dim], got shape {tuple(q.shape)}")
+    if k_cache.dim() != 4:
+        raise ValueError(f"k_cache must be 4-D ({kv_layout}), got shape {tuple(k_cache.shape)}")
+    if q.dtype not in _DTYPES:
+        raise TypeError(f"q must be torch.bfloat16 or torch.float16, got {q.dtype}")
+    Hq, D = q.shape[1], q.shape[2]
+    ps, Hkv = (k_cache.shape[1], k_cache.shape[2]) if kv_layout == "NHD" else (
+        k_cache.shape[2], k_cache.shape[1])
+    if k_cache.shape[3] != D:
+        raise ValueError(f"k_cache head_dim {k_cache.shape[3]} differs from q's {D}")
+    if Hq % Hkv:
+        raise ValueError(f"q's {Hq} heads must be a multiple of k_cache's {Hkv} KV heads")
+    if D not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim (q.shape[2]) must be one of {SUPPORTED_HEAD_DIMS}, got {D}")
+    if ps not in SUPPORTED_PAGE_SIZES:
+        raise ValueError(f"page_size (k_cache.shape[{1 if kv_layout == 'NHD' else 2}]) must be "
+                         f"one of {SUPPORTED_PAGE_SIZES}, got {ps}")
+    key = (Hq, Hkv, D, ps, q.dtype, kv_layout, q.device)
+    att = _CACHE.get(key)
+    if att is None:
+        att = _CACHE[key] = PODAttention(Hq, Hkv, D, ps, dtype=q.dtype, kv_layout=kv_layout,
+                                         device=q.device)
+    att.plan(cu_seqlens_q, seqused_k, block_table=block_table, causal=causal,
+             sm_scale=sm_scale, _kv_name="seqused_k")
+    return att.run(q, k_cache, v_cache, out=out, return_lse=return_lse)

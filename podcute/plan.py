@@ -1,0 +1,950 @@
+"""Host planner: turns one mixed batch into the int32 work metadata the fused kernel runs.
+
+Once per engine step (the kernel then runs once per layer with the same plan):
+
+1. normalise the page format (block table or CSR) and the KV lengths (``kv_lens`` or
+   FlashInfer's ``last_page_len``) into host numpy arrays and validate the values;
+2. classify requests, with no label from the caller and in any order: *decode work* is a
+   request whose packed rows fit one row tile (``q_len * G <= tile_m``, so speculative
+   decoding with a few draft tokens is decode work too), anything longer is *prefill
+   work*, ``q_len == 0`` (padding) is no work;
+3. cut groups: prefill = (request, kv head, 64-row tile), decode = (request, kv head);
+   pre-split long KV ranges so each kind spreads over the whole grid (split-KV);
+4. predict every piece's time with a roofline cost model (:class:`CostModel`), merge the
+   two kinds into one stream by progress (so any stretch holds both, interleaved), and cut
+   that stream into the CTA lists of a fixed persistent grid at equal-cost boundaries,
+   splitting the piece under a boundary at a KV tile;
+5. write everything into preallocated buffers and send it with one host->device copy.
+
+The metadata format is specified in ``docs/design.md``. Buffers are allocated once from
+capacities (:func:`capacities`) and only grown, outside CUDA-graph capture, when a batch
+does not fit, so a captured kernel keeps valid pointers across re-plans.
+
+Host/device traffic: index tensors on the CPU cost no GPU sync at all; index tensors on
+the GPU are gathered with one device->host copy (one sync). The metadata goes to the
+device with one non-blocking copy from a pinned staging buffer on the current stream
+(stream-ordered after any kernel that still reads the previous plan); the next plan()
+waits for that copy (an event) before it rewrites the staging buffer.
+
+Speed: everything is vectorised numpy with integer costs (femtoseconds); numpy method
+calls (``a.cumsum()``) rather than functions (``np.cumsum(a)``) where it matters, since
+most arrays are small and call overhead dominates.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from podcute.kernels.config import SUPPORTED_PAGE_SIZES, TileConfig
+
+# Columns of a work row and of a merge row (docs/design.md).
+WORK_REQ, WORK_KV_HEAD, WORK_ROW_START, WORK_ROW_END = 0, 1, 2, 3
+WORK_KV_START, WORK_KV_END, WORK_SPLIT_SLOT, WORK_KIND = 4, 5, 6, 7
+WORK_COLS = 8
+MERGE_REQ, MERGE_KV_HEAD, MERGE_ROW_START, MERGE_ROW_END = 0, 1, 2, 3
+MERGE_FIRST_SLOT, MERGE_NUM_SPLITS = 4, 5
+MERGE_COLS = 6
+KIND_PREFILL, KIND_DECODE = 0, 1
+
+_ALIGN = 16  # int32 elements: metadata segments start on 64-byte boundaries
+_ROW = np.dtype((np.void, WORK_COLS * 4))  # a work row as one element: fast row gathers
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _rows(a: np.ndarray) -> np.ndarray:
+    """1-D view of an [n, 8] int32 array with one element per row."""
+    return a.view(_ROW).reshape(-1)
+
+
+def _ragged_arange(counts: np.ndarray, total: int) -> np.ndarray:
+    """concat(arange(c) for c in counts), vectorised."""
+    starts = counts.cumsum() - counts
+    return np.arange(total, dtype=np.int64) - starts.repeat(counts)
+
+
+# --------------------------------------------------------------------------------------
+# Cost model
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Roofline time of one work piece on one CTA.
+
+    Rates are the H200 ceilings measured in DESIGN.md, divided over its 132 SMs. A piece
+    is costed as if its CTA had the SM's tensor cores (prefill) or the SM's share of HBM
+    (decode) to itself: every CTA list interleaves the kinds, so the SM's other CTA is
+    mostly using the other resource. ``PlanSummary.predicted_us`` then takes, per SM, the
+    largest of (both CTAs' prefill, both CTAs' decode, either CTA's whole list), which
+    stays honest when one kind dominates.
+
+    - prefill piece: the FLOPs of a 64-row MMA over its KV tokens, 4 * D * tile_m per KV
+      token (over long prompts equal to the visible causal pairs, since every item stops at
+      its diagonal tile), at ``mma_efficiency`` of the SM's peak. 0.4 is calibrated on the
+      H200 run in perf/results/bench.md (F1, one causal 8192-token prefill: 1.76 ms fused
+      vs 0.71 ms roofline; the plan predicts 1.80 ms); one 64-row consumer warpgroup with
+      the softmax partly exposed stays well below FA3's ~75% with two 128-row warpgroups.
+      Raise it as the kernel improves;
+    - decode piece: the bytes it streams, K + V (2 * D * elem per KV token) plus Q in and
+      O out (2 * D * elem per packed row), at the SM's share of the copy bandwidth (same
+      run, D1, 256 decodes at 4096: 1.01 ms fused, the plan predicts 1.05 ms);
+    - plus a fixed cost per piece (pipeline fill and drain, epilogue, next-item fetch).
+    """
+
+    tensor_flops_per_s: float = 779e12  # H200 dense bf16 matmul, measured
+    hbm_bytes_per_s: float = 4.22e12  # H200 device-to-device copy (read + write), measured
+    ref_num_sms: int = 132  # the chip the two rates were measured on
+    mma_efficiency: float = 0.4
+    hbm_efficiency: float = 1.0  # the copy ceiling is already a measured, reachable rate
+    prefill_item_overhead_us: float = 1.0
+    decode_item_overhead_us: float = 2.0
+    # A split piece carries at least this much variable work (2x the decode overhead), so
+    # splitting never makes a piece mostly overhead.
+    min_chunk_us: float = 4.0
+    # Pre-split groups into pieces of <= (the kind's work per CTA) / chunks_per_cta, so a
+    # kind reaches every CTA. More = finer interleave, more partials; bounds capacities().
+    chunks_per_cta: int = 1
+    elem_bytes: int = 2  # bf16 / fp16
+
+    def mma_flops_per_us(self) -> float:
+        return self.tensor_flops_per_s / self.ref_num_sms * self.mma_efficiency * 1e-6
+
+    def hbm_bytes_per_us(self) -> float:
+        return self.hbm_bytes_per_s / self.ref_num_sms * self.hbm_efficiency * 1e-6
+
+
+DEFAULT_COST_MODEL = CostModel()
+
+
+# --------------------------------------------------------------------------------------
+# Results
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlanSummary:
+    """What the planner decided for one batch (host numbers only)."""
+
+    num_requests: int
+    num_prefill_requests: int
+    num_decode_requests: int
+    num_prefill_items: int  # work rows after KV splitting
+    num_decode_items: int
+    num_split_items: int  # rows that write fp32 partials (prefill + decode)
+    num_merges: int
+    predicted_prefill_us: float  # max over CTAs of its prefill time
+    predicted_decode_us: float  # max over CTAs of its decode time
+    predicted_us: float  # max over SMs (CTA pairs): see CostModel
+    balance: float  # max / mean predicted time per CTA (1.0 = perfect)
+    grid: int = 0
+
+    def __str__(self) -> str:
+        return (
+            f"POD plan: {self.num_requests} requests "
+            f"({self.num_prefill_requests} prefill, {self.num_decode_requests} decode) -> "
+            f"{self.num_prefill_items} prefill + {self.num_decode_items} decode work items "
+            f"on {self.grid} CTAs; {self.num_split_items} split-KV pieces, "
+            f"{self.num_merges} merges\n"
+            f"  predicted: {self.predicted_us:.1f} us (per-CTA max prefill "
+            f"{self.predicted_prefill_us:.1f} us, decode {self.predicted_decode_us:.1f} us), "
+            f"balance max/mean {self.balance:.3f}"
+        )
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    num_qo_heads: int
+    num_kv_heads: int
+    group_size: int  # G = Hq // Hkv: query heads per KV head, packed into rows
+    head_dim: int
+    page_size: int
+    tile: TileConfig
+
+
+@dataclass(eq=False)
+class Plan:
+    """Metadata of one batch. The device tensors are views of the planner's buffers:
+    valid until the planner's next plan(), which rewrites them in place (stream-ordered)."""
+
+    config: PlanConfig
+    causal: bool
+    sm_scale: float
+    # --- device int32 metadata (docs/design.md) ---
+    work: torch.Tensor  # [num_items, 8], rows grouped by CTA
+    cta_ptr: torch.Tensor  # [grid + 1]: CTA c runs work[cta_ptr[c]:cta_ptr[c+1]]
+    merge: torch.Tensor  # [num_merge, 6]
+    slot_merge: torch.Tensor  # [num_slots]: merge row of each split slot
+    merge_sem: torch.Tensor  # [cap_merges] zeros, for an in-kernel merge (reset by its user)
+    q_start: torch.Tensor  # [B + 1] (cu_seqlens_q)
+    kv_len: torch.Tensor  # [B]
+    page_start: torch.Tensor  # [B]: offset of request b's first page in page_list
+    page_list: torch.Tensor  # flat int32 page indices (caller's block table / kv_indices)
+    # --- device fp32 split-KV workspaces ---
+    partial_o: torch.Tensor  # [cap_slots, tile_m, D]
+    partial_lse: torch.Tensor  # [cap_slots, tile_m]
+    # --- host facts ---
+    total_q: int
+    batch_size: int
+    num_items: int
+    num_merge: int
+    num_slots: int
+    grid: int
+    # Upper bound of the page indices that requests with queries read (-1: none); exact
+    # for CSR and for block tables whose unused entries are not larger. check_pages().
+    max_page_index: int
+    buffer_epoch: int  # planner buffer generation: changes only when buffers are regrown
+    summary: PlanSummary
+    # host arrays owned by this plan
+    q_lens: np.ndarray = field(repr=False)
+    kv_lens: np.ndarray = field(repr=False)
+    needed_pages: np.ndarray = field(repr=False)  # pages read: ceil(kv_len / page); 0 if q_len 0
+    item_cost_fs: np.ndarray = field(repr=False)  # predicted time of each work row (fs)
+    cta_cost_us: np.ndarray = field(repr=False)  # predicted time of each CTA list
+    _pages: "_PageSet" = field(repr=False, default=None)
+
+    @functools.cached_property
+    def kernel_args(self) -> tuple:
+        """Metadata arguments of the fused kernel, in its order (built once per plan)."""
+        return (self.work, self.cta_ptr, self.q_start, self.kv_len, self.page_start,
+                self.page_list, self.partial_o, self.partial_lse, float(self.sm_scale),
+                self.config.page_size, self.grid)
+
+    @functools.cached_property
+    def merge_args(self) -> tuple:
+        """Metadata arguments of the split merge, in its order (after out and lse)."""
+        return (self.merge, self.q_start, self.partial_o, self.partial_lse, self.num_merge)
+
+    def check_pages(self, num_pages: int, name: str = "block_table") -> None:
+        """Raise ValueError if a request reads a page index >= num_pages (the KV cache's
+        page count). O(1) unless plan()'s cheap bound is inconclusive."""
+        if self.max_page_index < num_pages:
+            return
+        b, page = self._pages.first_at_least(num_pages)
+        if b >= 0:
+            raise ValueError(f"{name}: request {b} reads page {page}, but the KV cache has only "
+                             f"{num_pages} pages (k_cache.shape[0]); page indices must be in "
+                             f"[0, {num_pages})")
+
+
+# --------------------------------------------------------------------------------------
+# Capacities
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Capacities:
+    batch: int
+    tokens: int
+    items: int
+    merges: int
+    slots: int
+
+
+def capacities(max_batch_size, max_num_tokens, num_qo_heads, num_kv_heads, tile_m, grid,
+               chunks_per_cta=DEFAULT_COST_MODEL.chunks_per_cta) -> Capacities:
+    """Buffer sizes that hold any batch with <= max_batch_size requests and
+    <= max_num_tokens query tokens (s = chunks_per_cta, g = grid):
+
+    - groups: a request of q_len tokens has ceil(q_len*G / tile_m) <= q_len*G/tile_m + 1
+      row tiles per KV head, so groups <= Hkv * (ceil(T*G / tile_m) + B);
+    - pre-split (per kind): a group of variable work v gets <= ceil(v / c) pieces with
+      c >= (the kind's work) / (g * s), so a kind gains <= s*g pieces, and only groups
+      with v > c split, so <= s*g split groups per kind;
+    - the CTA cut splits at most one piece per boundary: <= g - 1 more pieces and merges;
+    - slots: a split group of n >= 2 pieces uses n <= 2 (n - 1) slots.
+    So items <= groups + (2s + 1) g, merges <= (2s + 1) g, slots <= (4s + 2) g.
+    (H200, s = 1: 1584 slots = 52 MB of fp32 partial O at D = 128.)
+    """
+    G = num_qo_heads // num_kv_heads
+    pre = 2 * chunks_per_cta * grid
+    groups = num_kv_heads * (-(-max_num_tokens * G // tile_m) + max_batch_size)
+    return Capacities(max_batch_size, max_num_tokens, groups + pre + grid, pre + grid,
+                      2 * pre + 2 * grid)
+
+
+# --------------------------------------------------------------------------------------
+# Host-side inputs
+# --------------------------------------------------------------------------------------
+
+
+def _host_arrays(named: dict) -> dict:
+    """numpy copies of the index inputs; GPU tensors are gathered with one copy."""
+    out, on_gpu = {}, []
+    for name, x in named.items():
+        if x is None:
+            out[name] = None
+        elif isinstance(x, torch.Tensor):
+            if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+                raise TypeError(f"{name} must be an integer tensor (int32), got {x.dtype}")
+            if x.device.type == "cpu":
+                out[name] = x.numpy()
+            else:
+                on_gpu.append(name)
+        else:
+            a = np.asarray(x)
+            if a.dtype.kind not in "iu":
+                raise TypeError(f"{name} must hold integers, got dtype {a.dtype}")
+            out[name] = a
+    if on_gpu:
+        # One device->host copy (and one sync) for everything the caller left on the GPU.
+        ts = [named[n] for n in on_gpu]
+        flat = torch.cat([t.reshape(-1).to(torch.int64) for t in ts]).cpu().numpy()
+        off = 0
+        for n, t in zip(on_gpu, ts):
+            out[n] = flat[off: off + t.numel()].reshape(t.shape)
+            off += t.numel()
+    return out
+
+
+class _PageSet:
+    """The pages a batch reads: request b reads its first used[b] pages."""
+
+    def __init__(self, block_table, csr, used):
+        self.bt, self.csr, self.used = block_table, csr, used
+        self._exact = None
+
+    def _flat(self):
+        """(request of each page read, page index): exact, O(pages read)."""
+        used = self.used
+        n = int(used.sum())
+        req = np.arange(used.size).repeat(used)
+        j = _ragged_arange(used, n)
+        if self.bt is not None:
+            return req, self.bt[req, j]
+        indices, indptr = self.csr
+        return req, indices[indptr[:-1][req] + j]
+
+    def bounds(self):
+        """(lower, upper) bound of the page indices read; (0, -1) if none. Cheap: a block
+        table is scanned over its used columns, unused entries included."""
+        used = self.used
+        if not used.size or not used.any():
+            return 0, -1
+        if self.bt is not None:
+            sub = self.bt[:, : int(used.max())]
+            return int(sub.min()), int(sub.max())
+        indices, indptr = self.csr
+        if (used == indptr[1:] - indptr[:-1]).all():
+            sub = indices[indptr[0]: indptr[-1]]
+            self._exact = int(sub.max())
+            return int(sub.min()), self._exact
+        _, pages = self._flat()
+        self._exact = int(pages.max())
+        return int(pages.min()), self._exact
+
+    def first_negative(self):
+        """(request, page) of the first negative page index read, or (-1, 0)."""
+        req, pages = self._flat()
+        bad = (pages < 0).nonzero()[0]
+        return (int(req[bad[0]]), int(pages[bad[0]])) if bad.size else (-1, 0)
+
+    def first_at_least(self, num_pages):
+        """(request, page) of the first page index >= num_pages read, or (-1, 0)."""
+        req, pages = self._flat()
+        bad = (pages >= num_pages).nonzero()[0]
+        return (int(req[bad[0]]), int(pages[bad[0]])) if bad.size else (-1, 0)
+
+
+# --------------------------------------------------------------------------------------
+# Planner
+# --------------------------------------------------------------------------------------
+
+
+class Planner:
+    """Owns the metadata buffers of one attention configuration and fills them per batch.
+
+    ``grid = num_sms * ctas_per_sm`` is fixed per planner. With ``pairing="wave"``
+    (default: the kernel takes list ``blockIdx.x``, and a full grid of two resident CTAs
+    per SM fills the SMs wave by wave) lists ``s`` and ``s + num_sms`` share an SM and
+    lists below num_sms start with prefill, the others with decode. ``pairing="adjacent"``
+    is for a kernel that maps lists to SMs through %smid and a per-SM counter: lists
+    ``2s`` and ``2s+1`` share SM ``s``. The pairing only changes which lists start with
+    which kind and ``PlanSummary.predicted_us``.
+    """
+
+    def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+                 device="cuda", max_batch_size: int = 256, max_num_tokens: int = 16384,
+                 num_sms: int | None = None, ctas_per_sm: int = 2,
+                 cost_model: CostModel = DEFAULT_COST_MODEL, pairing: str = "wave"):
+        for name, v in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
+                        ("max_batch_size", max_batch_size), ("max_num_tokens", max_num_tokens),
+                        ("ctas_per_sm", ctas_per_sm)):
+            if not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if num_qo_heads % num_kv_heads:
+            raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of "
+                             f"num_kv_heads ({num_kv_heads})")
+        if page_size not in SUPPORTED_PAGE_SIZES:
+            raise ValueError(f"page_size must be one of {SUPPORTED_PAGE_SIZES}, got {page_size}")
+        tile = TileConfig.for_head_dim(head_dim)  # raises ValueError naming head_dim
+        if pairing not in ("adjacent", "wave"):
+            raise ValueError(f"pairing must be 'adjacent' or 'wave', got {pairing!r}")
+        self.pairing = pairing
+        self.device = torch.device(device)
+        if num_sms is None:
+            num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                       if self.device.type == "cuda" else 132)  # H200 on a host-only planner
+        self.config = PlanConfig(num_qo_heads, num_kv_heads, num_qo_heads // num_kv_heads,
+                                 head_dim, page_size, tile)
+        self.cost = cost_model
+        self.num_sms, self.ctas_per_sm = int(num_sms), int(ctas_per_sm)
+        self.grid = self.num_sms * self.ctas_per_sm
+        self.buffer_epoch = 0
+        self._on_cuda = self.device.type == "cuda"
+        self._copy_done = None  # CUDA event: the staging buffer may be rewritten after it
+        self._page_buf = None  # device copy of a host-side page table (grown on demand)
+        self._allocate(max_batch_size, max_num_tokens)
+
+        # Unit costs in integer femtoseconds: prefill per KV token of a 64-row item,
+        # decode per KV token (K + V) and per packed row (Q + O), per-piece overheads.
+        c, D, tm, tn = cost_model, head_dim, tile.tile_m, tile.tile_n
+        us_tile = 4.0 * D * tm * tn / c.mma_flops_per_us()  # one tile_m x tile_n MMA step
+        us_tok = 2.0 * D * c.elem_bytes / c.hbm_bytes_per_us()
+        us_row = 2.0 * D * c.elem_bytes / c.hbm_bytes_per_us()
+        self._fs = tuple(int(round(x * 1e9)) for x in (
+            us_tile / tn, us_tok, us_row, c.prefill_item_overhead_us, c.decode_item_overhead_us))
+        # Smallest KV split piece, in tiles, per kind: >= min_chunk_us of work.
+        self._min_tiles = (max(1, math.ceil(c.min_chunk_us / us_tile)),
+                           max(1, math.ceil(c.min_chunk_us / (us_tok * tn))))
+        self._mt = np.array(self._min_tiles, dtype=np.int64)
+        self._bounds_unit = np.arange(1, self.grid, dtype=np.float64) / self.grid
+        # Which CTA lists share an SM, and each list's slot on it (slot 0 starts with
+        # prefill, slot 1 with decode, ...): "adjacent" = lists k*s .. k*s+k-1 on SM s (a
+        # kernel that maps lists to SMs through %smid); "wave" = lists s, s + num_sms, ...
+        # on SM s (a plain blockIdx launch, where the hardware gives every SM one CTA
+        # before any gets a second).
+        lists = np.arange(self.grid)
+        slot = lists % self.ctas_per_sm if pairing == "adjacent" else lists // self.num_sms
+        self._odd = (slot & 1).astype(bool)
+
+    # ---- buffers ------------------------------------------------------------------------
+
+    def _allocate(self, max_batch_size: int, max_num_tokens: int) -> None:
+        cfg, grid = self.config, self.grid
+        cap = capacities(max_batch_size, max_num_tokens, cfg.num_qo_heads, cfg.num_kv_heads,
+                         cfg.tile.tile_m, grid, self.cost.chunks_per_cta)
+        # One int32 buffer with fixed segment offsets -> one H2D copy of a prefix per plan.
+        segs, off = {}, 0
+        for name, n in (("cta_ptr", grid + 1), ("q_start", cap.batch + 1), ("kv_len", cap.batch),
+                        ("page_start", cap.batch), ("merge", cap.merges * MERGE_COLS),
+                        ("slot_merge", cap.slots), ("work", cap.items * WORK_COLS)):
+            segs[name] = (off, n)
+            off += _align(n)
+        dev = self.device
+        self._meta = torch.zeros(off, dtype=torch.int32, device=dev)
+        self._staging_t = (torch.zeros(off, dtype=torch.int32, pin_memory=True) if self._on_cuda
+                           else self._meta)  # a host planner writes in place
+        self._staging = self._staging_t.numpy()
+        self._segs = segs
+        self._merge_sem = torch.zeros(cap.merges, dtype=torch.int32, device=dev)
+        D, tm = cfg.head_dim, cfg.tile.tile_m
+        self._partial_o = torch.empty(cap.slots, tm, D, dtype=torch.float32, device=dev)
+        self._partial_lse = torch.empty(cap.slots, tm, dtype=torch.float32, device=dev)
+        self.capacity = cap
+        self.buffer_epoch += 1
+        # Views built once: slicing tensors per plan costs microseconds.
+        self._d = {k: self._meta[o: o + n] for k, (o, n) in segs.items()}
+        self._h = {k: self._staging[o: o + n] for k, (o, n) in segs.items()}
+        self._d["merge"] = self._d["merge"].view(cap.merges, MERGE_COLS)
+        self._d["work"] = self._d["work"].view(cap.items, WORK_COLS)
+        self._h["merge"] = self._h["merge"].reshape(cap.merges, MERGE_COLS)
+        self._h["work"] = self._h["work"].reshape(cap.items, WORK_COLS)
+
+    def _ensure_capacity(self, batch: int, tokens: int) -> None:
+        cap = self.capacity
+        if batch <= cap.batch and tokens <= cap.tokens:
+            return
+        if self._on_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"podcute plan: the batch ({batch} requests, {tokens} query tokens) exceeds the "
+                f"planner's capacity ({cap.batch} requests, {cap.tokens} tokens) during CUDA "
+                "graph capture, when the buffers cannot move. Construct with larger "
+                "max_batch_size / max_num_tokens, or plan the largest batch before capture.")
+        self._sync_staging()
+        self._allocate(max(batch, cap.batch if batch <= cap.batch else 2 * cap.batch),
+                       max(tokens, cap.tokens if tokens <= cap.tokens else 2 * cap.tokens))
+
+    def _sync_staging(self) -> None:
+        if self._copy_done is not None:
+            self._copy_done.synchronize()  # the previous plan's H2D copy has read staging
+
+    # ---- plan ---------------------------------------------------------------------------
+
+    def plan(self, cu_seqlens_q, kv_lens=None, *, block_table=None, kv_indptr=None,
+             kv_indices=None, last_page_len=None, causal: bool = True,
+             sm_scale: float | None = None, _kv_name: str = "kv_lens") -> Plan:
+        """Plan one batch (see the module docstring). KV lengths come from `kv_lens` or,
+        with CSR pages, from `last_page_len`: kv_len = (pages - 1) * page_size + last.
+        Raises ValueError naming the argument for a bad value; `_kv_name` is what the
+        messages call kv_lens."""
+        cfg = self.config
+        ps = cfg.page_size
+        if (block_table is None) == (kv_indices is None):
+            raise ValueError("pass exactly one page format: block_table, or kv_indptr + "
+                             "kv_indices")
+        if kv_indices is not None and kv_indptr is None:
+            raise ValueError("kv_indptr is required with kv_indices")
+        if (kv_lens is None) == (last_page_len is None):
+            raise ValueError(f"pass exactly one of {_kv_name} or last_page_len")
+        if last_page_len is not None and kv_indptr is None:
+            raise ValueError("last_page_len needs the CSR page format (kv_indptr + kv_indices)")
+        h = _host_arrays({"cu_seqlens_q": cu_seqlens_q, _kv_name: kv_lens,
+                          "block_table": block_table, "kv_indptr": kv_indptr,
+                          "kv_indices": kv_indices, "last_page_len": last_page_len})
+        cu = h["cu_seqlens_q"].reshape(-1).astype(np.int64)
+        if cu.size < 1:
+            raise ValueError("cu_seqlens_q must have B+1 >= 1 entries")
+        B = cu.size - 1
+        if cu[0] != 0:
+            raise ValueError(f"cu_seqlens_q must start at 0, got {int(cu[0])}")
+        q_len = cu[1:] - cu[:-1]
+        if B and q_len.min() < 0:
+            b = int((q_len < 0).argmax())
+            raise ValueError(f"cu_seqlens_q must be non-decreasing; it decreases at index {b + 1} "
+                             f"({int(cu[b])} -> {int(cu[b + 1])})")
+        total_q = int(cu[-1])
+
+        if block_table is not None:
+            bt = h["block_table"]
+            if bt.ndim != 2 or bt.shape[0] != B:
+                raise ValueError(f"block_table must be [B={B}, max_pages], got shape "
+                                 f"{tuple(bt.shape)}")
+            page_count = None
+            limit = bt.shape[1]
+        else:
+            indptr = h["kv_indptr"].reshape(-1).astype(np.int64)
+            indices = h["kv_indices"].reshape(-1)
+            if indptr.size != B + 1:
+                raise ValueError(f"kv_indptr must have B+1={B + 1} entries, got {indptr.size}")
+            page_count = limit = indptr[1:] - indptr[:-1]
+            if indptr[0] < 0 or (B and page_count.min() < 0):
+                raise ValueError("kv_indptr must be non-negative and non-decreasing")
+            if indptr[-1] > indices.size:
+                raise ValueError(f"kv_indptr[-1]={int(indptr[-1])} exceeds len(kv_indices)="
+                                 f"{indices.size}")
+
+        if kv_lens is not None:
+            kv_src = _kv_name
+            kvl = h[_kv_name].reshape(-1).astype(np.int64)
+            if kvl.size != B:
+                raise ValueError(f"{_kv_name} must have B={B} entries, got {kvl.size}")
+            if B and kvl.min() < 0:
+                raise ValueError(f"{_kv_name} must be >= 0, got {int(kvl.min())} at index "
+                                 f"{int(kvl.argmin())}")
+        else:
+            kv_src = "last_page_len"
+            lpl = h["last_page_len"].reshape(-1).astype(np.int64)
+            if lpl.size != B:
+                raise ValueError(f"last_page_len must have B={B} entries, got {lpl.size}")
+            nonempty = page_count > 0
+            bad = nonempty & ((lpl < 1) | (lpl > ps))
+            if bad.any():
+                b = int(bad.argmax())
+                raise ValueError(f"last_page_len[{b}]={int(lpl[b])} must be in [1, page_size="
+                                 f"{ps}] for a request with pages")
+            kvl = ((page_count - 1) * ps + lpl) * nonempty
+
+        if causal and B:
+            bad = q_len > kvl
+            if bad.any():
+                b = int(bad.argmax())
+                raise ValueError(f"causal attention needs q_len <= kv_len, but request {b} has "
+                                 f"q_len={int(q_len[b])} (cu_seqlens_q) > kv_len={int(kvl[b])} "
+                                 f"({kv_src})")
+        needed = (kvl + (ps - 1)) // ps
+        bad = needed > limit
+        if bad.any():
+            b = int(bad.argmax())
+            have = limit if page_count is None else int(limit[b])
+            src = "block_table has" if page_count is None else "kv_indptr gives it"
+            raise ValueError(f"{kv_src}[{b}] gives kv_len={int(kvl[b])}, which needs "
+                             f"{int(needed[b])} pages of {ps} tokens, but {src} only {have}")
+
+        # Pages actually read: those of requests with queries. The bound is exact for CSR
+        # and for block tables whose unused entries are not larger (zero or stale padding);
+        # Plan.check_pages settles the rest exactly.
+        used = needed * (q_len > 0)
+        pages = _PageSet(bt if page_count is None else None,
+                         None if page_count is None else (indices, indptr), used)
+        lo, max_page_index = pages.bounds()
+        if lo < 0:
+            b, lo = pages.first_negative()
+            if b >= 0:
+                name = "block_table" if page_count is None else "kv_indices"
+                raise ValueError(f"{name} holds a negative page index ({lo}) among the pages "
+                                 f"request {b} reads")
+        sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(cfg.head_dim)
+
+        self._ensure_capacity(B, total_q)
+        return self._build(cu, q_len, kvl, used, causal, sm_scale, total_q, max_page_index,
+                           pages, block_table if page_count is None else None,
+                           None if page_count is None else (kv_indices, indptr))
+
+    def _page_list(self, block_table, csr, B):
+        """Device flat page list + per-request offsets into it (host)."""
+        dev = self.device
+        if block_table is not None:
+            src = block_table
+            if isinstance(src, torch.Tensor) and src.device == dev and src.dtype == torch.int32:
+                if src.dim() == 2 and src.shape[1] > 1 and src.stride(1) != 1:
+                    src = src.contiguous()  # rare: the API refuses it; breaks graph pointers
+                s0 = src.stride(0)
+                n = (B - 1) * s0 + src.shape[1] if B and src.shape[1] else 0
+                return src.as_strided((n,), (1,)), np.arange(B, dtype=np.int64) * s0
+            host = np.ascontiguousarray(
+                src.cpu().numpy() if isinstance(src, torch.Tensor) else np.asarray(src),
+                dtype=np.int32)
+            return (self._upload_pages(host.reshape(-1)),
+                    np.arange(B, dtype=np.int64) * host.shape[1])
+        kv_indices, indptr = csr
+        if (isinstance(kv_indices, torch.Tensor) and kv_indices.device == dev
+                and kv_indices.dtype == torch.int32):
+            return kv_indices.reshape(-1), indptr[:-1]
+        host = np.ascontiguousarray(
+            kv_indices.cpu().numpy() if isinstance(kv_indices, torch.Tensor)
+            else np.asarray(kv_indices), dtype=np.int32).reshape(-1)
+        return self._upload_pages(host), indptr[:-1]
+
+    def _upload_pages(self, host: np.ndarray) -> torch.Tensor:
+        """A host page table for a GPU planner goes to a planner-owned device buffer."""
+        t = torch.from_numpy(host)
+        if not self._on_cuda:
+            return t
+        if self._page_buf is None or self._page_buf.numel() < t.numel():
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("podcute plan: the host page table outgrew its device "
+                                   "buffer during CUDA graph capture; pass the page table "
+                                   "on the device, or plan a larger batch before capture")
+            self._page_buf = torch.empty(max(t.numel(), 1 << 16), dtype=torch.int32,
+                                         device=self.device)
+        buf = self._page_buf[: t.numel()]
+        buf.copy_(t)  # pageable source: synchronous with the host
+        return buf
+
+    # ---- work ---------------------------------------------------------------------------
+
+    def _presplit(self, e, fixed, rate, min_tiles):
+        """Split KV ranges [0, e) into tile-aligned pieces of about equal work, each
+        >= max(L / s, min_chunk) (L = these groups' work per CTA, s = chunks_per_cta) and
+        >= min_tiles tiles. Returns (group, index in group, kv start, kv end, pieces per
+        group), or None when nothing splits."""
+        tn = self.config.tile.tile_n
+        load = (int(e.sum()) * rate + int(fixed.sum())) / self.grid
+        c_k = max(load / self.cost.chunks_per_cta, self.cost.min_chunk_us * 1e9)
+        if int(e.max()) * rate <= c_k:
+            return None
+        t = (e + (tn - 1)) // tn
+        nch = np.minimum(np.ceil(e * (rate / c_k)).astype(np.int64), t // min_tiles)
+        if nch.max() <= 1:
+            return None
+        nch = np.maximum(nch, 1)
+        tpc = (np.maximum(t, 1) + nch - 1) // nch  # KV tiles per piece
+        nch = np.maximum((t + tpc - 1) // tpc, 1)
+        src = np.arange(e.size).repeat(nch)
+        j = _ragged_arange(nch, src.size)
+        step = tpc[src] * tn
+        s = j * step
+        return src, j, s, np.minimum(s + step, e[src]), nch
+
+    def _build(self, cu, q_len, kvl, used, causal, sm_scale, total_q, max_page_index, pages,
+               block_table, csr) -> Plan:
+        cfg, grid = self.config, self.grid
+        tm, tn = cfg.tile.tile_m, cfg.tile.tile_n
+        G, Hkv = cfg.group_size, cfg.num_kv_heads
+        B = q_len.size
+        r_p, r_d, r_row, o_p, o_d = self._fs  # integer femtoseconds
+
+        rows = q_len * G
+        is_dec = (rows > 0) & (rows <= tm)
+        preq = (rows > tm).nonzero()[0]
+        dreq = is_dec.nonzero()[0]
+
+        # ---- groups: work items before KV splitting ---------------------------------------
+        # prefill (request, kv head, 64-row tile), then decode (request, kv head); each in
+        # (request, head, tile) order. tmpl holds each group's work row.
+        if preq.size:
+            n_rt = (rows[preq] + (tm - 1)) // tm
+            cnt = n_rt * Hkv
+            n0p = int(cnt.sum())
+        else:
+            n0p = 0
+        n0d = dreq.size * Hkv
+        n0 = n0p + n0d
+        tmpl = np.empty((n0, WORK_COLS), dtype=np.int32)
+        kinds = []  # per kind: (kind, group offset, kv end, fixed cost, cost per KV token)
+        if n0p:
+            rep = np.arange(preq.size).repeat(cnt)
+            local = _ragged_arange(cnt, n0p)
+            nr = n_rt[rep]
+            head = local // nr
+            row_start = (local - head * nr) * tm
+            req = preq[rep]
+            row_end = np.minimum(row_start + tm, rows[req])
+            e = kvl[req]
+            if causal:  # keys no row of the item sees are never loaded
+                e = np.minimum(e, e - q_len[req] + (row_end - 1) // G + 1)
+            t = tmpl[:n0p]
+            t[:, WORK_REQ] = req
+            t[:, WORK_KV_HEAD] = head
+            t[:, WORK_ROW_START] = row_start
+            t[:, WORK_ROW_END] = row_end
+            t[:, WORK_KIND] = KIND_PREFILL
+            kinds.append((KIND_PREFILL, 0, e, np.full(n0p, o_p, dtype=np.int64), r_p))
+        if n0d:
+            t = tmpl[n0p:].reshape(dreq.size, Hkv, WORK_COLS)
+            t[:, :, WORK_REQ] = dreq[:, None]
+            t[:, :, WORK_KV_HEAD] = np.arange(Hkv)
+            t[:, :, WORK_ROW_START] = 0
+            t[:, :, WORK_ROW_END] = rows[dreq][:, None]
+            t[:, :, WORK_KIND] = KIND_DECODE
+            # the causal clip is a no-op for an item holding all rows of its request
+            kinds.append((KIND_DECODE, n0p, kvl[dreq].repeat(Hkv),
+                          (rows[dreq] * r_row + o_d).repeat(Hkv), r_d))
+
+        # ---- pieces of each kind: groups pre-split to <= the kind's work per CTA -----------
+        # so each kind reaches every CTA and co-runs with the other on every SM.
+        nch_g = None  # pieces per group, when any group is pre-split
+        cols = []  # per kind: group, index in group, kv start, kv end, fixed cost, cost
+        for kind_k, g0, e, f, rate in kinds:
+            sp = self._presplit(e, f, rate, self._min_tiles[kind_k])
+            if sp is None:
+                n_k = e.size
+                z = np.zeros(n_k, dtype=np.int64)
+                cols.append((np.arange(g0, g0 + n_k), z, z, e, f, f + e * rate))
+            else:
+                src, j, s, e2, nch = sp
+                if nch_g is None:
+                    nch_g = np.ones(n0, dtype=np.int64)
+                nch_g[g0: g0 + e.size] = nch
+                f2 = f[src]
+                cols.append((src + g0, j, s, e2, f2, f2 + (e2 - s) * rate))
+        n1p = cols[0][0].size if n0p else 0
+        if len(cols) == 2:
+            g1, j1, s1, e1, f1, c1 = (np.concatenate(x) for x in zip(*cols))
+        elif cols:
+            g1, j1, s1, e1, f1, c1 = cols[0]
+        else:
+            g1 = j1 = s1 = e1 = f1 = c1 = np.zeros(0, dtype=np.int64)
+        n1 = c1.size
+
+        # ---- one stream, cut into the CTA lists ------------------------------------------
+        # Merge the kinds by progress through their own kind (start / kind total): any
+        # stretch of the stream then holds prefill and decode work in the batch's
+        # proportion, interleaved. Cut the stream into `grid` runs of equal cost; the piece
+        # under a boundary is split there at a KV tile when both sides keep >= min_chunk
+        # of work, else it goes whole to the CTA holding its midpoint. So a CTA's load is
+        # the mean +- about one KV tile plus an overhead.
+        both = bool(n0p and n0d)
+        if both:
+            cs = c1.cumsum()
+            p_tot = float(cs[n1p - 1])
+            x = np.empty(n1)
+            x[:n1p] = (cs[:n1p] - c1[:n1p]) * (1.0 / p_tot)
+            x[n1p:] = (cs[n1p:] - c1[n1p:] - p_tot) * (1.0 / (float(cs[-1]) - p_tot))
+            order = x.argsort(kind="stable")  # two sorted runs: a merge; prefill first at ties
+            c = c1[order]
+        else:
+            order, c = None, c1
+        end = c.cumsum()
+        start = end - c
+        bounds = self._bounds_unit * float(end[-1]) if n1 else self._bounds_unit * 0.0
+
+        m = 0
+        if n1:
+            i = end.searchsorted(bounds, "right")  # the piece under each boundary
+            i = i[i < n1]
+            ch = order[i] if both else i
+            s_i, e_i = s1[ch], e1[ch]
+            span_t = (e_i - s_i + (tn - 1)) // tn
+            mt = self._mt[(ch >= n1p).view(np.int8)] if both else \
+                self._mt[KIND_PREFILL if n0p else KIND_DECODE]
+            k = np.rint((bounds[: i.size] - start[i]) / c[i] * span_t).astype(np.int64)
+            # Boundaries closer than min_tiles under one piece (per-CTA load below
+            # min_chunk): snap that piece's cuts to multiples of min_tiles and drop repeats,
+            # so every part keeps >= min_tiles tiles (k ascends within a piece).
+            ok = (k >= mt) & (k <= span_t - mt)
+            if i.size > 1:
+                same = i[1:] == i[:-1]
+                mt1 = mt[1:] if both else mt
+                close = same & (k[1:] - k[:-1] < mt1)
+                if close.any():
+                    snap = np.zeros(n1, dtype=bool)
+                    snap[i[1:][close]] = True
+                    sn = snap[i]
+                    k[sn] = (k[sn] + mt // 2) // mt * mt if not both else \
+                        (k[sn] + mt[sn] // 2) // mt[sn] * mt[sn]
+                    ok = (k >= mt) & (k <= span_t - mt)
+                    ok[1:] &= ~(same & (k[1:] == k[:-1]))
+            m = int(ok.sum())
+
+        if m:
+            ci, ck, cspan = i[ok], k[ok], span_t[ok]
+            npc = np.bincount(ci, minlength=n1)
+            npc += 1
+            src = np.arange(n1).repeat(npc)  # stream position of each part
+            cut_pos = ci + np.arange(1, m + 1)  # the part that starts at each cut
+            cut_kv = np.minimum(s_i[ok] + ck * tn, e_i[ok])
+            cut_u = start[ci] + c[ci] * ck // cspan  # the cut in stream cost coordinates
+            chunk = order[src] if both else src
+        else:
+            chunk = order  # None: identity
+        if chunk is None:
+            g, kv_s, kv_e, pc, n = g1, s1, e1, c1, n1
+        else:
+            g, kv_s, kv_e, n = g1[chunk], s1[chunk], e1[chunk], chunk.size
+            pc = c[src] if m else c
+        kind = (chunk >= n1p) if both else None  # True: decode
+        if m:
+            kv_s[cut_pos] = cut_kv
+            kv_e[cut_pos - 1] = cut_kv
+            fix = np.concatenate((cut_pos - 1, cut_pos))
+            rate = np.where(kind[fix], r_d, r_p) if both else (r_p if n0p else r_d)
+            pc[fix] = f1[chunk[fix]] + (kv_e[fix] - kv_s[fix]) * rate
+            u_lo, u_hi = start[src], end[src]
+            u_lo[cut_pos] = cut_u
+            u_hi[cut_pos - 1] = cut_u
+            mid = (u_lo + u_hi) >> 1
+        else:
+            mid = end - (c >> 1)
+
+        # ---- CTA lists: part midpoints (stream coordinates) against the boundaries -------
+        ptr = np.empty(grid + 1, dtype=np.int64)
+        ptr[0] = 0
+        ptr[1:grid] = mid.searchsorted(bounds, "left")
+        ptr[grid] = n
+        cum = np.zeros(n + 1, dtype=np.int64)
+        pc.cumsum(out=cum[1:])
+        cta_load = cum[ptr[1:]] - cum[ptr[:-1]]
+        if both:
+            (pc * ~kind).cumsum(out=cum[1:])
+            p_load = cum[ptr[1:]] - cum[ptr[:-1]]
+        else:
+            p_load = cta_load if n0p else cta_load * 0
+
+        # ---- split slots and merges: a group with >= 2 parts writes partials --------------
+        # Its slots are contiguous: pre-split piece j takes local slot j, the part after
+        # the r-th cut of the group takes (pieces of the group) + r.
+        num_slots = num_merge = 0
+        if m and nch_g is None:
+            # Only the cut split groups, and a cut group's parts are adjacent: number the
+            # parts next to a cut in stream order.
+            split = np.zeros(n, dtype=bool)
+            split[cut_pos] = True
+            split[cut_pos - 1] = True
+            slot = split.cumsum() - 1
+            num_slots = int(slot[-1]) + 1
+            slot[~split] = -1
+            firsts = cut_pos[np.concatenate(([True], ci[1:] != ci[:-1]))] - 1
+            num_merge = firsts.size
+            m_rows = g[firsts]
+            m_first = slot[firsts]
+            m_count = npc[ci[np.concatenate(([True], ci[1:] != ci[:-1]))]]
+        elif m or nch_g is not None:
+            gcount = np.bincount(g, minlength=n0)
+            split_g = gcount > 1
+            gsz = gcount * split_g
+            first_slot = gsz.cumsum() - gsz
+            num_slots = int(first_slot[-1] + gsz[-1])
+            loc = j1[chunk] if (nch_g is not None and chunk is not None) else (
+                j1.copy() if nch_g is not None else np.zeros(n, dtype=np.int64))
+            if m:
+                gc = g[cut_pos]
+                o = gc.argsort(kind="stable")
+                gs = gc[o]
+                rank = np.empty(m, dtype=np.int64)
+                rank[o] = np.arange(m) - gs.searchsorted(gs)
+                loc[cut_pos] = (1 if nch_g is None else nch_g[gc]) + rank
+            slot = first_slot[g] + loc
+            slot[~split_g[g]] = -1
+            m_rows = split_g.nonzero()[0]
+            num_merge = m_rows.size
+            m_first, m_count = first_slot[m_rows], gcount[m_rows]
+        cap = self.capacity
+        if n > cap.items or num_merge > cap.merges or num_slots > cap.slots:
+            raise AssertionError("podcute planner exceeded its capacity bound "
+                                 f"({n}/{cap.items} items, {num_merge}/{cap.merges} merges, "
+                                 f"{num_slots}/{cap.slots} slots)")
+
+        # ---- write the metadata -------------------------------------------------------------
+        self._sync_staging()
+        hs = self._h
+        wk = hs["work"][:n]
+        np.take(_rows(tmpl), g, out=_rows(wk))
+        wk[:, WORK_KV_START] = kv_s
+        wk[:, WORK_KV_END] = kv_e
+        wk[:, WORK_SPLIT_SLOT] = slot if num_slots else -1
+        item_cost = pc
+        if both:
+            # Even CTAs start with prefill, odd ones with decode (when they hold both): swap
+            # the first row with the first one of the wanted kind (all rows between are of
+            # the other kind, so only that row moves within its kind's order).
+            a, b = ptr[:-1], ptr[1:]
+            ip, idd = (~kind).nonzero()[0], kind.nonzero()[0]
+            f = np.where(self._odd, idd[np.minimum(idd.searchsorted(a), idd.size - 1)],
+                         ip[np.minimum(ip.searchsorted(a), ip.size - 1)])
+            fix = (f > a) & (f < b)
+            if fix.any():
+                fa, ff = a[fix], f[fix]
+                rv = _rows(wk)
+                rv[fa], rv[ff] = rv[ff], rv[fa].copy()
+                item_cost = pc.copy()
+                item_cost[fa], item_cost[ff] = pc[ff], pc[fa]
+        hs["cta_ptr"][:] = ptr
+        hs["q_start"][: B + 1] = cu
+        hs["kv_len"][:B] = kvl
+        page_list, page_start = self._page_list(block_table, csr, B)
+        hs["page_start"][:B] = page_start
+        if num_merge:
+            mr = hs["merge"][:num_merge]
+            mr[:, :4] = tmpl[m_rows, :4]
+            mr[:, MERGE_FIRST_SLOT] = m_first
+            mr[:, MERGE_NUM_SPLITS] = m_count
+            hs["slot_merge"][:num_slots] = np.arange(num_merge).repeat(m_count)
+        if self._on_cuda:
+            end_off = self._segs["work"][0] + n * WORK_COLS
+            self._meta[:end_off].copy_(self._staging_t[:end_off], non_blocking=True)
+            if self._copy_done is None:
+                self._copy_done = torch.cuda.Event()
+            self._copy_done.record()
+
+        # ---- summary ------------------------------------------------------------------------
+        cta_cost = cta_load * 1e-9  # fs -> us
+        p_us = p_load * 1e-9
+        if self.pairing == "adjacent":
+            per_sm = cta_cost.reshape(-1, self.ctas_per_sm)
+            p_sm = p_us.reshape(-1, self.ctas_per_sm)
+        else:
+            per_sm = cta_cost.reshape(self.ctas_per_sm, -1).T
+            p_sm = p_us.reshape(self.ctas_per_sm, -1).T
+        mean = cta_cost.mean()
+        n_d = int(kind.sum()) if both else (n if n0d else 0)
+        summary = PlanSummary(
+            num_requests=B, num_prefill_requests=preq.size, num_decode_requests=dreq.size,
+            num_prefill_items=n - n_d, num_decode_items=n_d,
+            num_split_items=num_slots, num_merges=num_merge,
+            predicted_prefill_us=float(p_us.max()),
+            predicted_decode_us=float((cta_cost - p_us).max()),
+            predicted_us=float(max(per_sm.max(), p_sm.sum(1).max(),
+                                   (per_sm - p_sm).sum(1).max())),
+            balance=float(cta_cost.max() / mean) if mean > 0 else 1.0, grid=grid)
+        d = self._d
+        return Plan(
+            config=cfg, causal=bool(causal), sm_scale=sm_scale,
+            work=d["work"][:n], cta_ptr=d["cta_ptr"], merge=d["merge"][:num_merge],
+            slot_merge=d["slot_merge"][:num_slots], merge_sem=self._merge_sem,
+            q_start=d["q_start"][: B + 1], kv_len=d["kv_len"][:B],
+            page_start=d["page_start"][:B], page_list=page_list,
+            partial_o=self._partial_o, partial_lse=self._partial_lse,
+            total_q=total_q, batch_size=B, num_items=n, num_merge=num_merge,
+            num_slots=num_slots, grid=grid, max_page_index=max_page_index,
+            buffer_epoch=self.buffer_epoch, summary=summary,
+            q_lens=q_len, kv_lens=kvl, needed_pages=used,
+            item_cost_fs=item_cost, cta_cost_us=cta_cost, _pages=pages)

@@ -1,0 +1,361 @@
+"""The public edge on a CPU machine: every bad argument is reported as such (TypeError or
+ValueError naming it) before any device check; a valid call without a Hopper GPU raises
+the clear RuntimeError instead of falling back to the reference; the demo runs."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import podcute
+from podcute import PODAttention, PlanSummary, pod_attention
+
+HAS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+needs_no_hopper = pytest.mark.skipif(HAS_HOPPER, reason="checks the no-GPU error path")
+
+HQ, HKV, D, PS = 8, 2, 128, 16
+I32 = dict(dtype=torch.int32)
+
+
+def good(layout="NHD", dtype=torch.bfloat16):
+    """A valid small batch: 2 requests (prefill 20 / kv 40, decode 1 / kv 17)."""
+    q = torch.randn(21, HQ, D, dtype=dtype)
+    shape = (8, PS, HKV, D) if layout == "NHD" else (8, HKV, PS, D)
+    k = torch.randn(shape, dtype=dtype)
+    v = torch.randn(shape, dtype=dtype)
+    return dict(
+        q=q, k=k, v=v,
+        cu=torch.tensor([0, 20, 21], **I32),
+        kvl=torch.tensor([40, 17], **I32),
+        bt=torch.tensor([[0, 1, 2], [3, 4, 7]], **I32),
+    )
+
+
+def attn(**kw):
+    kw.setdefault("device", "cpu")
+    return PODAttention(HQ, HKV, D, PS, **kw)
+
+
+def planned(layout="NHD", **kw):
+    g = good(layout)
+    a = attn(kv_layout=layout)
+    a.plan(g["cu"], g["kvl"], block_table=g["bt"], **kw)
+    return a, g
+
+
+def raises(exc, *names):
+    """pytest.raises whose message must mention every name."""
+    class _Ctx:
+        def __enter__(self):
+            self.ctx = pytest.raises(exc)
+            self.info = self.ctx.__enter__()
+            return self.info
+
+        def __exit__(self, *a):
+            r = self.ctx.__exit__(*a)
+            if not r:  # another exception type: let it propagate as is
+                return r
+            msg = str(self.info.value)
+            for n in names:
+                assert n in msg, f"{n!r} not in error message: {msg}"
+            return r
+    return _Ctx()
+
+
+# ---- constructor ---------------------------------------------------------------------------
+
+
+def test_constructor_errors():
+    with raises(ValueError, "num_qo_heads", "num_kv_heads"):
+        PODAttention(12, 8, D, PS, device="cpu")
+    with raises(ValueError, "head_dim"):
+        PODAttention(HQ, HKV, 96, PS, device="cpu")
+    with raises(ValueError, "page_size"):
+        PODAttention(HQ, HKV, D, 3, device="cpu")
+    with raises(ValueError, "kv_layout"):
+        PODAttention(HQ, HKV, D, PS, kv_layout="NDH", device="cpu")
+    with raises(TypeError, "dtype"):
+        PODAttention(HQ, HKV, D, PS, dtype=torch.float32, device="cpu")
+    with raises(TypeError, "num_kv_heads"):
+        PODAttention(HQ, 2.0, D, PS, device="cpu")
+    with raises(ValueError, "max_batch_size"):
+        PODAttention(HQ, HKV, D, PS, device="cpu", max_batch_size=0)
+
+
+@needs_no_hopper
+@pytest.mark.skipif(torch.cuda.is_available(), reason="machine has CUDA")
+def test_constructor_on_cuda_without_gpu():
+    with raises(RuntimeError, "Hopper", "sm_90a", "found"):
+        PODAttention(HQ, HKV, D, PS)
+
+
+# ---- plan() ----------------------------------------------------------------------------------
+
+
+def test_plan_returns_summary():
+    a, g = planned()
+    s = a.plan(g["cu"], g["kvl"], block_table=g["bt"])
+    assert isinstance(s, PlanSummary)
+    assert s.num_requests == 2 and s.num_decode_requests == 1 and s.num_prefill_requests == 1
+    assert a.current_plan.total_q == 21
+
+
+def test_plan_type_errors():
+    a = attn()
+    g = good()
+    with raises(TypeError, "cu_seqlens_q", "int32"):
+        a.plan(g["cu"].long(), g["kvl"], block_table=g["bt"])
+    with raises(TypeError, "kv_lens", "int32"):
+        a.plan(g["cu"], g["kvl"].float(), block_table=g["bt"])
+    with raises(TypeError, "block_table", "int32"):
+        a.plan(g["cu"], g["kvl"], block_table=g["bt"].long())
+    with raises(TypeError, "kv_indptr", "int32"):
+        a.plan(g["cu"], g["kvl"], kv_indptr=torch.tensor([0, 3, 5]),
+               kv_indices=torch.arange(5, **I32))
+    with raises(TypeError, "kv_indices", "int32"):
+        a.plan(g["cu"], g["kvl"], kv_indptr=torch.tensor([0, 3, 5], **I32),
+               kv_indices=torch.arange(5))
+    with raises(TypeError, "last_page_len", "int32"):
+        a.plan(g["cu"], None, kv_indptr=torch.tensor([0, 3, 5], **I32),
+               kv_indices=torch.arange(5, **I32), last_page_len=torch.tensor([8, 1]))
+    with raises(TypeError, "cu_seqlens_q"):
+        a.plan([0, 20, 21], g["kvl"], block_table=g["bt"])
+    with raises(TypeError, "sm_scale"):
+        a.plan(g["cu"], g["kvl"], block_table=g["bt"], sm_scale="0.1")
+    with raises(TypeError, "causal"):
+        a.plan(g["cu"], g["kvl"], block_table=g["bt"], causal=None)
+
+
+def test_plan_shape_and_format_errors():
+    a = attn()
+    g = good()
+    with raises(ValueError, "cu_seqlens_q", "1-D"):
+        a.plan(g["cu"][None], g["kvl"], block_table=g["bt"])
+    with raises(ValueError, "kv_lens", "2 entries"):
+        a.plan(g["cu"], torch.tensor([40], **I32), block_table=g["bt"])
+    with raises(ValueError, "block_table", "2-D"):
+        a.plan(g["cu"], g["kvl"], block_table=g["bt"].reshape(-1))
+    with raises(ValueError, "block_table", "2 entries"):
+        a.plan(g["cu"], g["kvl"], block_table=g["bt"][:1])
+    with raises(ValueError, "block_table", "contiguous"):
+        a.plan(g["cu"], g["kvl"], block_table=torch.zeros(3, 2, **I32).t())
+    with raises(ValueError, "kv_indptr", "3 entries"):
+        a.plan(g["cu"], g["kvl"], kv_indptr=torch.tensor([0, 5], **I32),
+               kv_indices=torch.arange(5, **I32))
+    with raises(ValueError, "page format", "block_table"):
+        a.plan(g["cu"], g["kvl"])
+    with raises(ValueError, "page format"):
+        a.plan(g["cu"], g["kvl"], block_table=g["bt"], kv_indptr=torch.tensor([0, 3, 5], **I32),
+               kv_indices=torch.arange(5, **I32))
+    with raises(ValueError, "kv_lens", "last_page_len"):
+        a.plan(g["cu"], None, block_table=g["bt"])
+    with raises(ValueError, "last_page_len", "CSR"):
+        a.plan(g["cu"], None, block_table=g["bt"], last_page_len=torch.tensor([8, 1], **I32))
+    with raises(ValueError, "sm_scale"):
+        a.plan(g["cu"], g["kvl"], block_table=g["bt"], sm_scale=-1.0)
+
+
+def test_plan_value_errors():
+    a = attn()
+    g = good()
+    with raises(ValueError, "cu_seqlens_q", "non-decreasing"):
+        a.plan(torch.tensor([0, 21, 20], **I32), g["kvl"], block_table=g["bt"])
+    with raises(ValueError, "cu_seqlens_q", "start at 0"):
+        a.plan(torch.tensor([1, 20, 21], **I32), g["kvl"], block_table=g["bt"])
+    with raises(ValueError, "kv_lens", ">= 0"):
+        a.plan(g["cu"], torch.tensor([40, -1], **I32), block_table=g["bt"])
+    with raises(ValueError, "kv_lens", "pages", "block_table"):  # 49 tokens need 4 pages of 16
+        a.plan(g["cu"], torch.tensor([49, 17], **I32), block_table=g["bt"])
+    with raises(ValueError, "kv_lens", "pages", "kv_indptr"):
+        a.plan(g["cu"], g["kvl"], kv_indptr=torch.tensor([0, 2, 4], **I32),
+               kv_indices=torch.arange(4, **I32))
+    with raises(ValueError, "causal", "q_len", "kv_len"):
+        a.plan(g["cu"], torch.tensor([19, 17], **I32), block_table=g["bt"])
+    a.plan(g["cu"], torch.tensor([19, 17], **I32), block_table=g["bt"], causal=False)  # fine
+    with raises(ValueError, "block_table", "negative"):
+        a.plan(g["cu"], g["kvl"], block_table=torch.tensor([[0, -1, 2], [3, 4, 5]], **I32))
+    with raises(ValueError, "kv_indices", "negative"):
+        a.plan(g["cu"], g["kvl"], kv_indptr=torch.tensor([0, 3, 5], **I32),
+               kv_indices=torch.tensor([0, 1, 2, -3, 4], **I32))
+    with raises(ValueError, "last_page_len", "page_size"):
+        a.plan(g["cu"], None, kv_indptr=torch.tensor([0, 3, 5], **I32),
+               kv_indices=torch.arange(5, **I32), last_page_len=torch.tensor([17, 1], **I32))
+
+
+def test_failed_plan_leaves_no_stale_plan():
+    a, g = planned()
+    with pytest.raises(ValueError):
+        a.plan(torch.tensor([0, 21, 20], **I32), g["kvl"], block_table=g["bt"])
+    with raises(RuntimeError, "before plan"):
+        a.run(g["q"], g["k"], g["v"])
+
+
+def test_plan_with_csr_and_last_page_len():
+    a = attn()
+    s = a.plan(torch.tensor([0, 20, 21], **I32), None,
+               kv_indptr=torch.tensor([0, 3, 5], **I32), kv_indices=torch.arange(5, **I32),
+               last_page_len=torch.tensor([8, 1], **I32))
+    assert s.num_requests == 2
+    assert a.current_plan.kv_lens.tolist() == [40, 17]
+
+
+# ---- run() -----------------------------------------------------------------------------------
+
+
+def test_run_before_plan():
+    g = good()
+    with raises(RuntimeError, "before plan"):
+        attn().run(g["q"], g["k"], g["v"])
+
+
+def test_run_dtype_errors():
+    a, g = planned()
+    with raises(TypeError, "q", "bfloat16"):
+        a.run(g["q"].half(), g["k"], g["v"])
+    with raises(TypeError, "k_cache", "v_cache"):
+        a.run(g["q"], g["k"].half(), g["v"])
+    with raises(TypeError, "k_cache", "v_cache"):
+        a.run(g["q"], g["k"], g["v"].float())
+    with raises(TypeError, "q", "torch.Tensor"):
+        a.run([1], g["k"], g["v"])
+    with raises(TypeError, "out", "dtype"):
+        a.run(g["q"], g["k"], g["v"], out=torch.empty(21, HQ, D, dtype=torch.float16))
+
+
+def test_run_device_errors():
+    a, g = planned()
+    meta = lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta")  # noqa: E731
+    with raises(ValueError, "k_cache", "device"):
+        a.run(g["q"], meta(g["k"]), g["v"])
+    with raises(ValueError, "q", "cpu"):
+        a.run(meta(g["q"]), g["k"], g["v"])
+    with raises(ValueError, "out"):
+        a.run(g["q"], g["k"], g["v"], out=meta(g["q"]))
+    with raises(ValueError, "cu_seqlens_q", "device"):
+        a.plan(torch.tensor([0, 20, 21], dtype=torch.int32, device="meta"), g["kvl"],
+               block_table=g["bt"])
+
+
+def test_run_shape_errors():
+    a, g = planned()
+    q, k, v = g["q"], g["k"], g["v"]
+    with raises(ValueError, "q", "num_qo_heads"):
+        a.run(q[:, :4], k, v)
+    with raises(ValueError, "q", "head_dim"):
+        a.run(torch.randn(21, HQ, 64, dtype=q.dtype), k, v)
+    with raises(ValueError, "q", "cu_seqlens_q", "21"):
+        a.run(q[:20], k, v)
+    with raises(ValueError, "k_cache", "NHD"):
+        a.run(q, k.transpose(1, 2), v)  # an HND cache given to an NHD attention
+    with raises(ValueError, "k_cache", "page_size"):
+        a.run(q, k[:, :8], v[:, :8])
+    with raises(ValueError, "k_cache"):
+        a.run(q, k[0], v[0])
+    with raises(ValueError, "v_cache", "k_cache"):
+        a.run(q, k, v[:7])
+    with raises(ValueError, "q", "contiguous last dimension"):
+        a.run(torch.randn(21, D, HQ, dtype=q.dtype).transpose(1, 2), k, v)
+    with raises(ValueError, "k_cache", "contiguous last dimension"):
+        a.run(q, torch.randn(8, PS, D, HKV, dtype=q.dtype).transpose(2, 3), v)
+    with raises(ValueError, "out", "[total_q, Hq, D]"):
+        a.run(q, k, v, out=torch.empty(20, HQ, D, dtype=q.dtype))
+    with raises(ValueError, "out", "contiguous"):
+        a.run(q, k, v, out=torch.empty(21, D, HQ, dtype=q.dtype).transpose(1, 2))
+
+
+def test_run_hnd_layout_shape():
+    a, g = planned("HND")
+    with raises(ValueError, "k_cache", "HND"):
+        a.run(g["q"], g["k"].transpose(1, 2), g["v"])
+
+
+def test_page_index_outside_cache():
+    """Security boundary: a page index >= num_pages is refused at run (O(1) check)."""
+    a, g = planned()
+    q, k, v = g["q"], g["k"], g["v"]
+    with raises(ValueError, "block_table", "request 1", "page 4", "k_cache"):
+        a.run(q, k[:4], v[:4])  # request 1 reads pages 3, 4 of a 4-page cache
+    if not HAS_HOPPER:  # the table's column 2 of request 1 (page 7) is never read
+        with raises(RuntimeError, "Hopper"):
+            a.run(q, k[:5], v[:5])
+    # unused columns of the table may hold anything
+    bt = torch.tensor([[0, 1, 2, 99], [3, 4, 5, -7]], **I32)
+    a.plan(g["cu"], g["kvl"], block_table=bt)
+    if not HAS_HOPPER:
+        with raises(RuntimeError, "Hopper"):
+            a.run(q, k[:6], v[:6])  # passes validation, stops at the GPU check
+    a.plan(g["cu"], g["kvl"], kv_indptr=torch.tensor([0, 3, 5], **I32),
+           kv_indices=torch.tensor([0, 1, 2, 3, 8], **I32))
+    with raises(ValueError, "kv_indices", "page 8"):
+        a.run(q, k, v)
+
+
+@needs_no_hopper
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_run_without_hopper_raises_clearly(layout, monkeypatch):
+    """A fully valid call on a machine without an sm_90 GPU must not fall back to the
+    reference: it raises the RuntimeError naming what is needed."""
+    import podcute.reference as ref
+
+    def boom(*a, **k):
+        raise AssertionError("silent fallback to the reference")
+
+    monkeypatch.setattr(ref, "pod_attention_reference", boom)
+    a, g = planned(layout)
+    with raises(RuntimeError, "podcute needs an NVIDIA Hopper GPU (sm_90a: H100/H200)", "found"):
+        a.run(g["q"], g["k"], g["v"])
+    with raises(RuntimeError, "Hopper"):
+        a.run(g["q"], g["k"], g["v"], out=torch.empty_like(g["q"]), return_lse=True)
+
+
+# ---- one-shot ----------------------------------------------------------------------------------
+
+
+def test_one_shot_errors_and_no_hopper():
+    g = good()
+    kw = dict(cu_seqlens_q=g["cu"], seqused_k=g["kvl"], block_table=g["bt"])
+    with raises(ValueError, "kv_layout"):
+        pod_attention(g["q"], g["k"], g["v"], kv_layout="XYZ", **kw)
+    with raises(TypeError, "q", "bfloat16"):
+        pod_attention(g["q"].float(), g["k"], g["v"], **kw)
+    with raises(ValueError, "head_dim"):
+        pod_attention(torch.randn(21, HQ, 96, dtype=torch.bfloat16),
+                      torch.randn(8, PS, HKV, 96, dtype=torch.bfloat16),
+                      torch.randn(8, PS, HKV, 96, dtype=torch.bfloat16), **kw)
+    with raises(ValueError, "page_size"):
+        pod_attention(g["q"], g["k"][:, :3], g["v"][:, :3], **kw)
+    with raises(ValueError, "heads"):
+        pod_attention(g["q"][:, :3], g["k"], g["v"], **kw)
+    with raises(ValueError, "seqused_k", "pages"):
+        pod_attention(g["q"], g["k"], g["v"], cu_seqlens_q=g["cu"],
+                      seqused_k=torch.tensor([49, 17], **I32), block_table=g["bt"])
+    with raises(TypeError, "seqused_k", "int32"):
+        pod_attention(g["q"], g["k"], g["v"], cu_seqlens_q=g["cu"], seqused_k=g["kvl"].long(),
+                      block_table=g["bt"])
+    with raises(ValueError, "q", "21"):
+        pod_attention(g["q"][:19], g["k"], g["v"], **kw)
+    if not HAS_HOPPER:
+        with raises(RuntimeError, "Hopper"):
+            pod_attention(g["q"], g["k"], g["v"], **kw)
+
+
+def test_exports():
+    for name in ("PODAttention", "pod_attention", "pod_attention_reference", "PlanSummary"):
+        assert name in podcute.__all__ and hasattr(podcute, name)
+
+
+# ---- demo ----------------------------------------------------------------------------------------
+
+
+@needs_no_hopper
+def test_demo_runs_on_cpu():
+    env = dict(os.environ)
+    r = subprocess.run([sys.executable, "-m", "podcute", "demo"], capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "sm_90" in r.stdout and "H100/H200" in r.stdout
+    assert "129 requests (1 prefill, 128 decode)" in r.stdout
+    assert "balance" in r.stdout and "predicted" in r.stdout
+
