@@ -51,18 +51,19 @@ class VariantKey:
     group: int
     causal: bool
     has_lse: bool
+    tma_kv: bool  # page class: whole KV tiles per page (TMA boxes) or a cp.async gather
     tile: TileConfig
     sources: str
     dsl: str
 
     @staticmethod
     def make(dtype: torch.dtype, head_dim: int, group: int, causal: bool, has_lse: bool,
-             arch: str = "sm_90a") -> "VariantKey":
+             tma_kv: bool = False, arch: str = "sm_90a") -> "VariantKey":
         if arch not in SUPPORTED_ARCHS:
             raise ValueError(unsupported_arch_message(arch))
         return VariantKey(
             arch=arch, dtype=_DTYPES[dtype], head_dim=head_dim, group=group,
-            causal=bool(causal), has_lse=bool(has_lse),
+            causal=bool(causal), has_lse=bool(has_lse), tma_kv=bool(tma_kv),
             tile=TileConfig.for_head_dim(head_dim), sources=_FINGERPRINT, dsl=_dsl_version(),
         )
 
@@ -193,7 +194,8 @@ def shipped_variants(arch: str = "sm_90a"):
     other group compiles on first use.
     """
     return [
-        VariantKey.make(dtype, head_dim, group, causal, has_lse, arch=arch)
+        VariantKey.make(dtype, head_dim, group, causal, has_lse, tma_kv, arch=arch)
+        for tma_kv in (True, False)
         for dtype in (torch.bfloat16, torch.float16)
         for head_dim in (64, 128)
         for group in (1, 4, 7, 8, 32)
@@ -203,9 +205,11 @@ def shipped_variants(arch: str = "sm_90a"):
 
 
 def compile_variant(key: VariantKey, keep_ptx: bool = False):
-    """(fused kernel, split merge) compiled for `key`; cached in memory."""
+    """(fused kernel, split merge) for `key`: from memory, else from disk, else compiled
+    (and written to disk). With `keep_ptx` it always compiles and returns the DSL's
+    compiled objects, whose `__ptx__` holds the generated code (for checks)."""
     with _lock:
-        hit = _cache.get(key)
+        hit = None if keep_ptx else _cache.get(key)
         if hit is not None:
             return hit
         folder = cache_dir(key.arch)
@@ -226,8 +230,18 @@ def compile_variant(key: VariantKey, keep_ptx: bool = False):
                         warnings.warn(f"podcute: could not write kernel cache {entry}: {err}")
             finally:
                 fcntl.flock(lock_file, fcntl.LOCK_UN)
+        if keep_ptx:
+            return kernels
+        kernels = tuple(_positional_call(k) for k in kernels)
         _cache[key] = kernels
         return kernels
+
+
+def _positional_call(fn):
+    """The bare TVM-FFI function of a freshly compiled kernel (what a disk load returns):
+    the DSL's wrapper adds a Python keyword-argument layer to every call."""
+    raw = getattr(fn, "__tvm_ffi_object__", None)
+    return raw() if callable(raw) and raw() is not None else fn
 
 
 def _compile(key: VariantKey, keep_ptx: bool):
@@ -249,7 +263,7 @@ def _compile(key: VariantKey, keep_ptx: bool):
         scratch.mkdir(exist_ok=True)
         options += f" --keep-ptx --dump-dir {scratch}"
     pod = cute.compile(
-        PodAttentionSm90(dtype, key.head_dim, key.group, key.causal, key.has_lse),
+        PodAttentionSm90(dtype, key.head_dim, key.group, key.causal, key.has_lse, key.tma_kv),
         *pod_args, options=options,
     )
     merge = cute.compile(

@@ -26,13 +26,14 @@ def require_sm90(device: torch.device) -> None:
 _variants: dict = {}
 
 
-def _kernels(device, dtype, head_dim, group, causal, has_lse):
+def _kernels(device, dtype, head_dim, group, causal, has_lse, tma_kv):
     """Compiled (pod, merge) for these static facts: a dict hit after the first call."""
-    facts = (device, dtype, head_dim, group, causal, has_lse)
+    facts = (device, dtype, head_dim, group, causal, has_lse, tma_kv)
     kernels = _variants.get(facts)
     if kernels is None:
         require_sm90(device)
-        kernels = compile_variant(VariantKey.make(dtype, head_dim, group, causal, has_lse))
+        kernels = compile_variant(
+            VariantKey.make(dtype, head_dim, group, causal, has_lse, tma_kv))
         _variants[facts] = kernels
     return kernels
 
@@ -44,15 +45,13 @@ def launch(plan, q, k_cache, v_cache, out, lse, kv_layout: str = "NHD"):
     Raises RuntimeError naming what is needed when no sm_90 GPU is available.
     """
     cfg = plan.config
+    tma_kv = cfg.page_size % cfg.tile.tile_n == 0  # whole KV tiles per page: TMA boxes
     pod, merge = _kernels(q.device, q.dtype, cfg.head_dim, cfg.group_size, plan.causal,
-                          lse is not None)
+                          lse is not None, tma_kv)
     if kv_layout == "HND":
         # The kernel addresses (page, slot, head, dim); HND is that view with two strides
         # swapped (layouts.canonical_kv in torch terms), so both layouts share one variant.
         k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
-    pod(q, k_cache, v_cache, out, lse, plan.work, plan.cta_ptr, plan.q_start, plan.kv_len,
-        plan.page_start, plan.page_list, plan.partial_o, plan.partial_lse,
-        float(plan.sm_scale), cfg.page_size, plan.grid)
+    pod(q, k_cache, v_cache, out, lse, *plan.kernel_args)
     if plan.num_merge > 0:
-        merge(out, lse, plan.merge, plan.q_start, plan.partial_o, plan.partial_lse,
-              plan.num_merge)
+        merge(out, lse, *plan.merge_args)

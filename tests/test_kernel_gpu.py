@@ -101,6 +101,8 @@ GRID = [
     dict(dtype=torch.bfloat16, d=128, page=16, interleaved=True, strided_q=True),
     dict(dtype=torch.bfloat16, d=128, page=16, causal=False),
     dict(dtype=torch.float16, d=64, page=1, layout="HND", fmt="csr", causal=False),
+    dict(dtype=torch.bfloat16, d=64, page=128, layout="HND", interleaved=True),  # TMA, D 64
+    dict(dtype=torch.float16, d=128, page=64, fmt="csr", causal=False),  # TMA, page == tile
 ]
 
 

@@ -9,8 +9,9 @@ interleaves both kinds in every CTA list and two CTAs share each SM, so tensor-c
 bound prefill tiles and HBM-bound decode splits run side by side on every SM.
 
 CTA = 2 warpgroups:
-  * producer (warpgroup 0, 56 registers): gathers Q rows and K/V page rows with
-    cp.async into a multi-stage mbarrier pipeline (pages need not be contiguous);
+  * producer (warpgroup 0, 56 registers): gathers Q rows with cp.async and streams K/V
+    tiles into a multi-stage mbarrier pipeline: one TMA box per tile when a page holds
+    whole KV tiles (page_size % tile_n == 0), else a cp.async gather of page rows;
   * consumer (warpgroup 1, 200 registers): S = Q K^T (wgmma, SS), mask only on tiles
     that need it, online softmax in registers, O += P V (wgmma, RS), epilogue to `out`
     or, for a split of a long KV range, to fp32 partials that `split_merge` combines.
@@ -26,7 +27,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import warpgroup
+from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
 from podcute import layouts
@@ -57,13 +58,15 @@ class PodAttentionSm90:
     consumer_regs = 200
     ctas_per_sm = 2
 
-    def __init__(self, dtype, head_dim: int, group: int, causal: bool, has_lse: bool):
+    def __init__(self, dtype, head_dim: int, group: int, causal: bool, has_lse: bool,
+                 tma_kv: bool):
         self.dtype = dtype
         self.tile = TileConfig.for_head_dim(head_dim)
         self.head_dim = head_dim
         self.group = group
         self.causal = causal
         self.has_lse = has_lse
+        self.tma_kv = tma_kv  # launch() picks it only when page_size % tile_n == 0
         self.num_threads = 2 * WARPGROUP
 
     def _tiled_mmas(self):
@@ -116,9 +119,19 @@ class PodAttentionSm90:
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
 
         self.shared_storage = SharedStorage
+        tma_atom_k = tma_atom_v = None
+        if const_expr(self.tma_kv):
+            # Boxes of (tile_n, D) over (slot, dim, kv_head, page): a tile is a piece of one
+            # page of one head, addressed by (tile within page, head, physical page).
+            box = (tile_n, d)
+            op = cpasync.CopyBulkTensorTileG2SOp()
+            tma_atom_k, mK = cpasync.make_tiled_tma_atom(
+                op, layouts.kv_tma_view(mK), cute.select(sK_layout, mode=[0, 1]), box)
+            tma_atom_v, mV = cpasync.make_tiled_tma_atom(
+                op, layouts.kv_tma_view(mV), cute.select(sV_layout, mode=[0, 1]), box)
         self.kernel(
             mQ, mK, mV, mO, mLSE, mWork, mCtaPtr, mQStart, mKvLen, mPageStart, mPageList,
-            mPartialO, mPartialLSE, sm_scale, page_size,
+            mPartialO, mPartialLSE, sm_scale, page_size, tma_atom_k, tma_atom_v,
             tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sV_layout,
         ).launch(
             grid=[num_ctas, 1, 1],
@@ -149,6 +162,8 @@ class PodAttentionSm90:
         mPartialLSE: cute.Tensor,
         sm_scale: Float32,
         page_size: Int32,
+        tma_atom_k: Optional[cute.CopyAtom],
+        tma_atom_v: Optional[cute.CopyAtom],
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
         sQ_layout: cute.ComposedLayout,
@@ -165,14 +180,12 @@ class PodAttentionSm90:
             barrier_storage=storage.mbar_q.data_ptr(), num_stages=1,
             producer_group=producers, consumer_group=consumers, defer_sync=True,
         )
-        pipeline_k = pipeline.PipelineCpAsync.create(
-            barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.tile.num_stages,
-            producer_group=producers, consumer_group=consumers, defer_sync=True,
-        )
-        pipeline_v = pipeline.PipelineCpAsync.create(
-            barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.tile.num_stages,
-            producer_group=producers, consumer_group=consumers, defer_sync=True,
-        )
+        pipeline_k = self._make_kv_pipeline(storage.mbar_k.data_ptr(), producers, consumers)
+        pipeline_v = self._make_kv_pipeline(storage.mbar_v.data_ptr(), producers, consumers)
+        if const_expr(self.tma_kv):
+            if warp_idx == 0:
+                cpasync.prefetch_descriptor(tma_atom_k)
+                cpasync.prefetch_descriptor(tma_atom_v)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -188,7 +201,8 @@ class PodAttentionSm90:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             self.produce(
                 mQ, mK, mV, mWork, mQStart, mKvLen, mPageStart, mPageList, page_size,
-                sQ, sK, sV, pipeline_q, pipeline_k, pipeline_v, item_begin, item_end,
+                tma_atom_k, tma_atom_v, sQ, sK, sV, pipeline_q, pipeline_k, pipeline_v,
+                item_begin, item_end,
             )
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
@@ -197,6 +211,22 @@ class PodAttentionSm90:
                 sm_scale, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV,
                 pipeline_q, pipeline_k, pipeline_v, item_begin, item_end,
             )
+
+    def _make_kv_pipeline(self, barriers, producers, consumers):
+        if const_expr(self.tma_kv):
+            # One elected thread arms the barrier with the tile's bytes; one thread per
+            # consumer warp releases a stage.
+            return pipeline.PipelineTmaAsync.create(
+                barrier_storage=barriers, num_stages=self.tile.num_stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, WARPGROUP // 32),
+                tx_count=self.tile.tile_n * self.head_dim * self.dtype.width // 8,
+                defer_sync=True,
+            )
+        return pipeline.PipelineCpAsync.create(
+            barrier_storage=barriers, num_stages=self.tile.num_stages,
+            producer_group=producers, consumer_group=consumers, defer_sync=True,
+        )
 
     @cute.jit
     def produce(
@@ -210,6 +240,8 @@ class PodAttentionSm90:
         mPageStart: cute.Tensor,
         mPageList: cute.Tensor,
         page_size: Int32,
+        tma_atom_k: Optional[cute.CopyAtom],
+        tma_atom_v: Optional[cute.CopyAtom],
         sQ: cute.Tensor,
         sK: cute.Tensor,
         sV: cute.Tensor,
@@ -241,32 +273,85 @@ class PodAttentionSm90:
             pipeline_q.producer_commit(q_state)
             q_state.advance()
 
-            # K/V rows past kv_end re-read the item's last token (layouts.clamp_token):
-            # the consumer masks them, and no garbage/NaN slot is ever read.
             n_min, n_max = item.n_block_range(tile_n)
-            for n_block in cutlass.range(n_min, n_max, unroll=1):
-                first_token = n_block * tile_n
-                pipeline_k.producer_acquire(kv_state)
-                kv_gather.copy_rows(
-                    sK[None, None, kv_state.index],
-                    lambda r: layouts.kv_row_clamped(
-                        mK, mPageList, item.page_start, first_token, r, item.kv_end,
-                        item.kv_head, page_divisor,
-                    ),
+            if const_expr(self.tma_kv):
+                if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0:
+                    kv_state = self.produce_kv_tma(
+                        mK, mV, mPageList, page_divisor, tma_atom_k, tma_atom_v, sK, sV,
+                        pipeline_k, pipeline_v, kv_state, item, n_min, n_max,
+                    )
+            else:
+                kv_state = self.produce_kv_gather(
+                    mK, mV, mPageList, page_divisor, kv_gather, sK, sV,
+                    pipeline_k, pipeline_v, kv_state, item, n_min, n_max,
                 )
-                cute.arch.cp_async_commit_group()
-                pipeline_k.producer_commit(kv_state)
-                pipeline_v.producer_acquire(kv_state)
-                kv_gather.copy_rows(
-                    sV[None, None, kv_state.index],
-                    lambda r: layouts.kv_row_clamped(
-                        mV, mPageList, item.page_start, first_token, r, item.kv_end,
-                        item.kv_head, page_divisor,
-                    ),
-                )
-                cute.arch.cp_async_commit_group()
-                pipeline_v.producer_commit(kv_state)
-                kv_state.advance()
+
+    @cute.jit
+    def produce_kv_tma(self, mK, mV, mPageList, page_divisor, tma_atom_k, tma_atom_v,
+                       sK, sV, pipeline_k, pipeline_v, kv_state, item: WorkItem,
+                       n_min: Int32, n_max: Int32):
+        """One TMA box per K and V tile, issued by one warp (page_size % tile_n == 0)."""
+        tile_n, d = self.tile.tile_n, self.head_dim
+        tKsK, tKgK = self._tma_tiles(tma_atom_k, mK, sK, item.kv_head)
+        tVsV, tVgV = self._tma_tiles(tma_atom_v, mV, sV, item.kv_head)
+        for n_block in cutlass.range(n_min, n_max, unroll=1):
+            # A tile lies inside one page that the request owns: its first token is
+            # < kv_end, so no page-table entry past the request's pages is read.
+            page_idx, slot = divmod(n_block * tile_n, page_divisor)
+            page = mPageList[item.page_start + page_idx]
+            tile_in_page = slot // tile_n
+            pipeline_k.producer_acquire(kv_state)
+            cute.copy(tma_atom_k, tKgK[None, tile_in_page, page], tKsK[None, kv_state.index],
+                      tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
+            pipeline_v.producer_acquire(kv_state)
+            cute.copy(tma_atom_v, tVgV[None, tile_in_page, page], tVsV[None, kv_state.index],
+                      tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
+            kv_state.advance()
+        return kv_state
+
+    def _tma_tiles(self, tma_atom, mX_tma, sX, kv_head):
+        """(smem stages, gmem tiles indexed by (tile within page, page)) for one KV head."""
+        gX = cute.local_tile(mX_tma[None, None, kv_head, None],
+                             (self.tile.tile_n, self.head_dim), (None, 0, None))
+        return cpasync.tma_partition(
+            tma_atom, 0, cute.make_layout(1),
+            cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2),
+        )
+
+    @cute.jit
+    def produce_kv_gather(self, mK, mV, mPageList, page_divisor, kv_gather, sK, sV,
+                          pipeline_k, pipeline_v, kv_state, item: WorkItem,
+                          n_min: Int32, n_max: Int32):
+        """cp.async gather of K/V page rows by the whole producer warpgroup.
+
+        Rows past kv_end re-read the item's last token (layouts.clamp_token): the
+        consumer masks them, and no garbage/NaN slot is ever read.
+        """
+        tile_n = self.tile.tile_n
+        for n_block in cutlass.range(n_min, n_max, unroll=1):
+            first_token = n_block * tile_n
+            pipeline_k.producer_acquire(kv_state)
+            kv_gather.copy_rows(
+                sK[None, None, kv_state.index],
+                lambda r: layouts.kv_row_clamped(
+                    mK, mPageList, item.page_start, first_token, r, item.kv_end,
+                    item.kv_head, page_divisor,
+                ),
+            )
+            cute.arch.cp_async_commit_group()
+            pipeline_k.producer_commit(kv_state)
+            pipeline_v.producer_acquire(kv_state)
+            kv_gather.copy_rows(
+                sV[None, None, kv_state.index],
+                lambda r: layouts.kv_row_clamped(
+                    mV, mPageList, item.page_start, first_token, r, item.kv_end,
+                    item.kv_head, page_divisor,
+                ),
+            )
+            cute.arch.cp_async_commit_group()
+            pipeline_v.producer_commit(kv_state)
+            kv_state.advance()
+        return kv_state
 
     @cute.jit
     def consume(
@@ -350,6 +435,12 @@ class PodAttentionSm90:
                 rP.store(acc_S.load().to(self.dtype))
                 tOrP = cute.make_tensor(rP.iterator, acc_as_operand_a_layout(rP.layout))
                 pipeline_v.consumer_wait(kv_state)
+                if const_expr(self.tma_kv):
+                    # A TMA box brings the whole page tail: slots past kv_len may hold
+                    # garbage (NaN), and P = 0 times NaN is NaN, so zero those V rows.
+                    if (n_block + 1) * tile_n > item.kv_end:
+                        self.zero_rows(sV[None, None, kv_state.index],
+                                       item.kv_end - n_block * tile_n, tidx)
                 cute.arch.fence_view_async_shared()
                 warpgroup_gemm(
                     tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index], False
@@ -363,6 +454,18 @@ class PodAttentionSm90:
             inv_sum, lse = softmax.finalize(sm_scale)
             rescale_rows(acc_O, inv_sum)
             self.epilogue(acc_O, lse, tOcO, item, mO, mLSE, mPartialO, mPartialLSE, tidx)
+
+    @cute.jit
+    def zero_rows(self, sX: cute.Tensor, first_row: Int32, tidx: Int32):
+        """Zero rows [first_row, tile_n) of a (tile_n, D) smem tile (consumer warpgroup)."""
+        d = self.head_dim
+        for i in cutlass.range(tidx, self.tile.tile_n * d, WARPGROUP, unroll=1):
+            row = i // d
+            if row >= first_row:
+                sX[row, i % d] = self.dtype(0.0)
+        # Every consumer thread's zeros must land before the warpgroup's wgmma reads V
+        # (the caller's proxy fence orders them for the async proxy).
+        cute.arch.barrier(barrier_id=1, number_of_threads=WARPGROUP)
 
     @cute.jit
     def epilogue(
