@@ -11,7 +11,6 @@ import ctypes
 import fcntl
 import hashlib
 import os
-import subprocess
 import tempfile
 import threading
 import time
@@ -115,11 +114,10 @@ def _fake_args(key: VariantKey):
     partial_lse = make_fake_tensor(cutlass.Float32, (sym(), tile_m), (tile_m, 1), assumed_align=16)
     merge = make_fake_tensor(cutlass.Int32, (sym(), 6), (6, 1), assumed_align=4)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-    pod = (rows3(), cache(), cache(), rows3(), lse, work, ivec(), ivec(), ivec(), ivec(), ivec(),
-           partial_o, partial_lse, cutlass.Float32(1.0), cutlass.Int32(16), cutlass.Int32(1),
-           stream)
-    merge_args = (rows3(), lse, merge, ivec(), partial_o, partial_lse, cutlass.Int32(1), stream)
-    return pod, merge_args
+    # Order: PodAttentionSm90.__call__ (q, k, v, out, lse, then Plan.kernel_args).
+    return (rows3(), cache(), cache(), rows3(), lse, work, ivec(), ivec(), ivec(), ivec(), ivec(),
+            partial_o, partial_lse, merge, ivec(), ivec(), cutlass.Float32(1.0),
+            cutlass.Int32(16), cutlass.Int32(1), stream)
 
 
 _cache: dict = {}
@@ -153,7 +151,7 @@ def _load_runtime_libraries() -> None:
 
 
 def _load_entry(path: Path):
-    """(pod, merge) from an exported object file, or None if missing or unloadable."""
+    """The kernel from an exported object file, or None if missing or unloadable."""
     if not path.exists():
         return None
     import cutlass.cute as cute
@@ -161,30 +159,20 @@ def _load_entry(path: Path):
     _load_runtime_libraries()
     try:
         module = cute.runtime.load_module(str(path), enable_tvm_ffi=True)
-        return module.podcute_pod, module.podcute_merge
+        return module.podcute_pod
     except Exception:  # truncated/corrupt entry: a miss; the rebuild replaces it
         return None
 
 
-def _export_entry(path: Path, pod, merge) -> None:
-    """Write both kernels into one object file, atomically (tmp file + rename)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    pod_obj, merge_obj = tmp.with_suffix(".pod.o"), tmp.with_suffix(".merge.o")
+def _export_entry(path: Path, pod) -> None:
+    """Write the kernel's object file atomically: a temporary name, then a rename, so an
+    entry is either whole or absent (a killed export leaves no partial entry)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.o")
     try:
-        pod.export_to_c(object_file_path=str(pod_obj), function_name="podcute_pod")
-        merge.export_to_c(object_file_path=str(merge_obj), function_name="podcute_merge")
-        _link_objects([pod_obj, merge_obj], tmp)
+        pod.export_to_c(object_file_path=str(tmp), function_name="podcute_pod")
         os.replace(tmp, path)
     finally:
-        for f in (tmp, pod_obj, merge_obj):
-            f.unlink(missing_ok=True)
-
-
-def _link_objects(objects, out: Path) -> None:
-    # A relocatable link (ld -r) merges the two exported objects into one entry, so an
-    # entry is either whole or absent.
-    subprocess.run(["ld", "-r", "-o", str(out), *map(str, objects)], check=True,
-                   capture_output=True)
+        tmp.unlink(missing_ok=True)
 
 
 def shipped_variants(arch: str = "sm_90a"):
@@ -205,7 +193,7 @@ def shipped_variants(arch: str = "sm_90a"):
 
 
 def compile_variant(key: VariantKey, keep_ptx: bool = False):
-    """(fused kernel, split merge) for `key`: from memory, else from disk, else compiled
+    """The fused kernel for `key`: from memory, else from disk, else compiled
     (and written to disk). With `keep_ptx` it always compiles and returns the DSL's
     compiled objects, whose `__ptx__` holds the generated code (for checks)."""
     with _lock:
@@ -220,21 +208,21 @@ def compile_variant(key: VariantKey, keep_ptx: bool = False):
         with open(folder / f"{entry.stem}.lock", "w") as lock_file:
             fcntl.flock(lock_file, fcntl.LOCK_EX)
             try:
-                kernels = None if keep_ptx else _load_entry(entry)
-                if kernels is None:
-                    kernels = _compile(key, keep_ptx)
+                kernel = None if keep_ptx else _load_entry(entry)
+                if kernel is None:
+                    kernel = _compile(key, keep_ptx)
                     try:
-                        _export_entry(entry, *kernels)
-                    except (OSError, subprocess.CalledProcessError) as err:
+                        _export_entry(entry, kernel)
+                    except Exception as err:  # noqa: BLE001
                         # No disk cache (read-only home, no `ld`): still usable in memory.
                         warnings.warn(f"podcute: could not write kernel cache {entry}: {err}")
             finally:
                 fcntl.flock(lock_file, fcntl.LOCK_UN)
         if keep_ptx:
-            return kernels
-        kernels = tuple(_positional_call(k) for k in kernels)
-        _cache[key] = kernels
-        return kernels
+            return kernel
+        kernel = _positional_call(kernel)
+        _cache[key] = kernel
+        return kernel
 
 
 def _positional_call(fn):
@@ -253,10 +241,8 @@ def _compile(key: VariantKey, keep_ptx: bool):
     import cutlass.cute as cute
 
     from podcute.kernels.pod_fwd_sm90 import PodAttentionSm90
-    from podcute.kernels.split_merge import SplitMerge
-
     dtype = _cutlass_dtype(key.dtype)
-    pod_args, merge_args = _fake_args(key)
+    pod_args = _fake_args(key)
     options = "--enable-tvm-ffi"
     if keep_ptx:  # kept in memory (__ptx__); the dump itself goes to a scratch folder
         scratch = Path(tempfile.gettempdir()) / "podcute-ptx"
@@ -266,10 +252,7 @@ def _compile(key: VariantKey, keep_ptx: bool):
         PodAttentionSm90(dtype, key.head_dim, key.group, key.causal, key.has_lse, key.tma_kv),
         *pod_args, options=options,
     )
-    merge = cute.compile(
-        SplitMerge(dtype, key.head_dim, key.group, key.has_lse), *merge_args, options=options
-    )
-    return pod, merge
+    return pod
 
 
 def compile_all(arch: str, check: bool = False, out=None) -> int:
@@ -289,7 +272,7 @@ def compile_all(arch: str, check: bool = False, out=None) -> int:
     start, failures = time.perf_counter(), []
     for i, key in enumerate(variants, 1):
         t0 = time.perf_counter()
-        pod, _ = compile_variant(key, keep_ptx=check)
+        pod = compile_variant(key, keep_ptx=check)
         note = ""
         if check:
             ptx = pod.__ptx__ or ""

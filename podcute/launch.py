@@ -1,4 +1,4 @@
-"""Glue between a Plan and the compiled kernels: pick the variant, launch, merge splits."""
+"""Glue between a Plan and the compiled kernel: pick the variant, launch it."""
 
 import torch
 
@@ -26,32 +26,30 @@ def require_sm90(device: torch.device) -> None:
 _variants: dict = {}
 
 
-def _kernels(device, dtype, head_dim, group, causal, has_lse, tma_kv):
-    """Compiled (pod, merge) for these static facts: a dict hit after the first call."""
+def _kernel(device, dtype, head_dim, group, causal, has_lse, tma_kv):
+    """The compiled kernel for these static facts: a dict hit after the first call."""
     facts = (device, dtype, head_dim, group, causal, has_lse, tma_kv)
-    kernels = _variants.get(facts)
-    if kernels is None:
+    kernel = _variants.get(facts)
+    if kernel is None:
         require_sm90(device)
-        kernels = compile_variant(
+        kernel = compile_variant(
             VariantKey.make(dtype, head_dim, group, causal, has_lse, tma_kv))
-        _variants[facts] = kernels
-    return kernels
+        _variants[facts] = kernel
+    return kernel
 
 
 def launch(plan, q, k_cache, v_cache, out, lse, kv_layout: str = "NHD"):
-    """Run the fused POD kernel (and the split-KV merge) for `plan`.
+    """Run the fused POD kernel for `plan` (one launch; split-KV groups merge in-kernel).
 
     `out` is [total_q, Hq, D] (q's dtype), `lse` is [total_q, Hq] float32 or None.
     Raises RuntimeError naming what is needed when no sm_90 GPU is available.
     """
     cfg = plan.config
     tma_kv = cfg.page_size % cfg.tile.tile_n == 0  # whole KV tiles per page: TMA boxes
-    pod, merge = _kernels(q.device, q.dtype, cfg.head_dim, cfg.group_size, plan.causal,
-                          lse is not None, tma_kv)
+    pod = _kernel(q.device, q.dtype, cfg.head_dim, cfg.group_size, plan.causal,
+                  lse is not None, tma_kv)
     if kv_layout == "HND":
         # The kernel addresses (page, slot, head, dim); HND is that view with two strides
         # swapped (layouts.canonical_kv in torch terms), so both layouts share one variant.
         k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
     pod(q, k_cache, v_cache, out, lse, *plan.kernel_args)
-    if plan.num_merge > 0:
-        merge(out, lse, *plan.merge_args)

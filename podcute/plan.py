@@ -182,7 +182,7 @@ class Plan:
     cta_ptr: torch.Tensor  # [grid + 1]: CTA c runs work[cta_ptr[c]:cta_ptr[c+1]]
     merge: torch.Tensor  # [num_merge, 6]
     slot_merge: torch.Tensor  # [num_slots]: merge row of each split slot
-    merge_sem: torch.Tensor  # [cap_merges] zeros, for an in-kernel merge (reset by its user)
+    merge_sem: torch.Tensor  # [cap_merges] zeros; the kernel's merging CTA resets its entry
     q_start: torch.Tensor  # [B + 1] (cu_seqlens_q)
     kv_len: torch.Tensor  # [B]
     page_start: torch.Tensor  # [B]: offset of request b's first page in page_list
@@ -214,13 +214,8 @@ class Plan:
     def kernel_args(self) -> tuple:
         """Metadata arguments of the fused kernel, in its order (built once per plan)."""
         return (self.work, self.cta_ptr, self.q_start, self.kv_len, self.page_start,
-                self.page_list, self.partial_o, self.partial_lse, float(self.sm_scale),
-                self.config.page_size, self.grid)
-
-    @functools.cached_property
-    def merge_args(self) -> tuple:
-        """Metadata arguments of the split merge, in its order (after out and lse)."""
-        return (self.merge, self.q_start, self.partial_o, self.partial_lse, self.num_merge)
+                self.page_list, self.partial_o, self.partial_lse, self.merge, self.slot_merge,
+                self.merge_sem, float(self.sm_scale), self.config.page_size, self.grid)
 
     def check_pages(self, num_pages: int, name: str = "block_table") -> None:
         """Raise ValueError if a request reads a page index >= num_pages (the KV cache's

@@ -19,7 +19,7 @@ SCRIPT = textwrap.dedent("""
     from podcute.compile import VariantKey, compile_variant
     key = VariantKey.make(torch.bfloat16, 64, 4, True, False)
     t = time.perf_counter()
-    pod, merge = compile_variant(key)
+    pod = compile_variant(key)
     print(f"seconds {time.perf_counter() - t:.3f}", type(pod).__name__)
 """)
 

@@ -71,9 +71,15 @@ def check(name, q_lens, kv_lens, *, hq=8, hkv=2, d=128, page=16, dtype=torch.bfl
     attn.plan(cu, kvl, causal=causal, **pages)
     out = torch.full_like(b.q, float("nan"))
     out, lse = attn.run(b.q, b.k_cache, b.v_cache, out=out, return_lse=True)
+    # Again into fresh poison: split groups merge in-kernel behind per-group semaphores,
+    # which must be back at zero for the next launch (and for CUDA-graph replays).
+    again = torch.full_like(b.q, float("nan"))
+    again, lse_again = attn.run(b.q, b.k_cache, b.v_cache, out=again, return_lse=True)
     ref, ref_lse = b.reference(causal=causal, return_lse=True)
     torch.cuda.synchronize()
     assert not out.isnan().any(), f"{name}: unwritten or NaN output"
+    assert torch.equal(out, again) and torch.equal(lse, lse_again), f"{name}: second run differs"
+    assert not attn.current_plan.merge_sem.any(), f"{name}: merge semaphores not reset"
     rel = ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
     inf_ref = torch.isinf(ref_lse)
     assert torch.equal(inf_ref, torch.isinf(lse)), f"{name}: -inf LSE rows differ"

@@ -14,7 +14,8 @@ CTA = 2 warpgroups:
     whole KV tiles (page_size % tile_n == 0), else a cp.async gather of page rows;
   * consumer (warpgroup 1, 200 registers): S = Q K^T (wgmma, SS), mask only on tiles
     that need it, online softmax in registers, O += P V (wgmma, RS), epilogue to `out`
-    or, for a split of a long KV range, to fp32 partials that `split_merge` combines.
+    or, for a split of a long KV range, to fp32 partials; the CTA that finishes a split
+    group's last piece merges them (`split_merge`), so a batch is one launch.
 """
 
 from typing import Optional
@@ -36,6 +37,7 @@ from podcute.kernels.gather import RowGather
 from podcute.kernels.mask import apply_mask
 from podcute.kernels.mma_utils import acc_as_operand_a_layout, rows_cols_view, warpgroup_gemm
 from podcute.kernels.softmax import LOG2_E, OnlineSoftmax, rescale_rows
+from podcute.kernels.split_merge import finish_split
 from podcute.kernels.work import WorkItem
 
 WARPGROUP = 128
@@ -98,6 +100,9 @@ class PodAttentionSm90:
         mPageList: cute.Tensor,  # flat int32 page indices
         mPartialO: cute.Tensor,  # [slots, tile_m, D] fp32
         mPartialLSE: cute.Tensor,  # [slots, tile_m] fp32
+        mMerge: cute.Tensor,  # [merges, 6] int32
+        mSlotMerge: cute.Tensor,  # [slots] int32: merge row of each split slot
+        mMergeSem: cute.Tensor,  # [merges] int32 semaphores, zero between launches
         sm_scale: Float32,
         page_size: Int32,
         num_ctas: Int32,
@@ -117,6 +122,7 @@ class PodAttentionSm90:
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+            merge_flag: cute.struct.MemRange[Int32, 1]
 
         self.shared_storage = SharedStorage
         tma_atom_k = tma_atom_v = None
@@ -131,8 +137,8 @@ class PodAttentionSm90:
                 op, layouts.kv_tma_view(mV), cute.select(sV_layout, mode=[0, 1]), box)
         self.kernel(
             mQ, mK, mV, mO, mLSE, mWork, mCtaPtr, mQStart, mKvLen, mPageStart, mPageList,
-            mPartialO, mPartialLSE, sm_scale, page_size, tma_atom_k, tma_atom_v,
-            tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sV_layout,
+            mPartialO, mPartialLSE, mMerge, mSlotMerge, mMergeSem, sm_scale, page_size,
+            tma_atom_k, tma_atom_v, tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sV_layout,
         ).launch(
             grid=[num_ctas, 1, 1],
             block=[self.num_threads, 1, 1],
@@ -160,6 +166,9 @@ class PodAttentionSm90:
         mPageList: cute.Tensor,
         mPartialO: cute.Tensor,
         mPartialLSE: cute.Tensor,
+        mMerge: cute.Tensor,
+        mSlotMerge: cute.Tensor,
+        mMergeSem: cute.Tensor,
         sm_scale: Float32,
         page_size: Int32,
         tma_atom_k: Optional[cute.CopyAtom],
@@ -208,6 +217,7 @@ class PodAttentionSm90:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(
                 mO, mLSE, mWork, mQStart, mKvLen, mPageStart, mPartialO, mPartialLSE,
+                mMerge, mSlotMerge, mMergeSem, storage.merge_flag.get_tensor(cute.make_layout(1)),
                 sm_scale, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV,
                 pipeline_q, pipeline_k, pipeline_v, item_begin, item_end,
             )
@@ -364,6 +374,10 @@ class PodAttentionSm90:
         mPageStart: cute.Tensor,
         mPartialO: cute.Tensor,
         mPartialLSE: cute.Tensor,
+        mMerge: cute.Tensor,
+        mSlotMerge: cute.Tensor,
+        mMergeSem: cute.Tensor,
+        sFlag: cute.Tensor,
         sm_scale: Float32,
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
@@ -454,6 +468,11 @@ class PodAttentionSm90:
             inv_sum, lse = softmax.finalize(sm_scale)
             rescale_rows(acc_O, inv_sum)
             self.epilogue(acc_O, lse, tOcO, item, mO, mLSE, mPartialO, mPartialLSE, tidx)
+            if item.split_slot >= 0:
+                finish_split(
+                    mO, mLSE, mPartialO, mPartialLSE, mMerge, mSlotMerge, mMergeSem, mQStart,
+                    sFlag, item.split_slot, self.group, d, tidx, WARPGROUP, barrier_id=2,
+                )
 
     @cute.jit
     def zero_rows(self, sX: cute.Tensor, first_row: Int32, tidx: Int32):

@@ -1,12 +1,11 @@
 """Exact merge of split-KV partials: out = sum_s exp(lse_s - lse) * O_s, lse = logsumexp_s.
 
-One CTA per merge group (request, kv head, row range) of the plan; a thread handles
-4 columns of one packed row. Splits whose rows saw no key carry lse = -inf and weigh 0.
+Run inside the fused kernel by the consumer warpgroup of the CTA that finishes a merge
+group's last split (counted by a per-group semaphore), so a batch is one launch. Splits
+whose rows saw no key carry lse = -inf and weigh 0.
 """
 
 from typing import Optional
-
-import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
@@ -14,85 +13,108 @@ from cutlass import Float32, Int32, const_expr
 
 from podcute import layouts
 
-MERGE_THREADS = 128
 COLS_PER_THREAD = 4
 
 
-class SplitMerge:
-    def __init__(self, dtype, head_dim: int, group: int, has_lse: bool):
-        self.dtype = dtype
-        self.head_dim = head_dim
-        self.group = group
-        self.has_lse = has_lse
+@cute.jit
+def merge_group(
+    gO: cute.Tensor,  # packed rows ((G, q_len), D) of out
+    gLSE: Optional[cute.Tensor],  # packed rows ((G, q_len),) of lse, or None
+    mPartialO: cute.Tensor,  # [slots, tile_m, D] fp32
+    mPartialLSE: cute.Tensor,  # [slots, tile_m] fp32
+    row_start: Int32,
+    n_rows: Int32,
+    first_slot: Int32,
+    num_splits: Int32,
+    tidx: Int32,
+    num_threads: cutlass.Constexpr[int],
+    head_dim: cutlass.Constexpr[int],
+):
+    """Merge the partials of packed rows [row_start, row_start + n_rows) into out (+ lse).
 
-    @cute.jit
-    def __call__(
-        self,
-        mO: cute.Tensor,
-        mLSE: Optional[cute.Tensor],
-        mMerge: cute.Tensor,  # [merges, 6] int32: req, kv_head, row_start, row_end, slot0, splits
-        mQStart: cute.Tensor,
-        mPartialO: cute.Tensor,
-        mPartialLSE: cute.Tensor,
-        num_merge: Int32,
-        stream: cuda.CUstream,
-    ):
-        self.kernel(mO, mLSE, mMerge, mQStart, mPartialO, mPartialLSE).launch(
-            grid=[num_merge, 1, 1], block=[MERGE_THREADS, 1, 1], stream=stream
-        )
+    A thread handles COLS_PER_THREAD columns of one row per pass.
+    """
+    threads_per_row = head_dim // COLS_PER_THREAD
+    rows_per_pass = num_threads // threads_per_row
+    col0 = (tidx % threads_per_row) * COLS_PER_THREAD
+    acc = cute.make_rmem_tensor(COLS_PER_THREAD, Float32)
+    for row0 in cutlass.range(0, n_rows, rows_per_pass, unroll=1):
+        row = row0 + tidx // threads_per_row
+        if row < n_rows:
+            lse_max = -Float32.inf
+            for s in cutlass.range(num_splits, unroll=1):
+                lse_max = cutlass.max(lse_max, mPartialLSE[first_slot + s, row])
+            # All -inf: the row saw no key at all; shift by 0 so weights are exact 0.
+            shift = lse_max
+            if lse_max == -Float32.inf:
+                shift = Float32(0.0)
+            acc.fill(0.0)
+            total = Float32(0.0)
+            for s in cutlass.range(num_splits, unroll=1):
+                w = cute.math.exp(mPartialLSE[first_slot + s, row] - shift, fastmath=True)
+                total = total + w
+                for j in cutlass.range_constexpr(COLS_PER_THREAD):
+                    acc[j] = acc[j] + w * mPartialO[first_slot + s, row, col0 + j]
+            inv = Float32(0.0)
+            if total > Float32(0.0):
+                inv = Float32(1.0) / total
+            for j in cutlass.range_constexpr(COLS_PER_THREAD):
+                gO[row_start + row, col0 + j] = (acc[j] * inv).to(gO.element_type)
+            if const_expr(gLSE is not None):
+                if tidx % threads_per_row == 0:
+                    row_lse = -Float32.inf
+                    if total > Float32(0.0):
+                        row_lse = shift + cute.math.log(total, fastmath=True)
+                    gLSE[row_start + row] = row_lse
 
-    @cute.kernel
-    def kernel(
-        self,
-        mO: cute.Tensor,
-        mLSE: Optional[cute.Tensor],
-        mMerge: cute.Tensor,
-        mQStart: cute.Tensor,
-        mPartialO: cute.Tensor,
-        mPartialLSE: cute.Tensor,
-    ):
-        tidx = cute.arch.thread_idx()[0]
-        bid = cute.arch.block_idx()[0]
-        req = mMerge[bid, 0]
-        kv_head = mMerge[bid, 1]
-        row_start = mMerge[bid, 2]
-        n_rows = mMerge[bid, 3] - row_start
-        first_slot = mMerge[bid, 4]
-        num_splits = mMerge[bid, 5]
+
+@cute.jit
+def finish_split(
+    mO: cute.Tensor,
+    mLSE: Optional[cute.Tensor],
+    mPartialO: cute.Tensor,
+    mPartialLSE: cute.Tensor,
+    mMerge: cute.Tensor,  # [merges, 6]: req, kv_head, row_start, row_end, first_slot, splits
+    mSlotMerge: cute.Tensor,  # [slots]: merge row of each split slot
+    mMergeSem: cute.Tensor,  # [merges] int32, zero between launches
+    mQStart: cute.Tensor,
+    sFlag: cute.Tensor,  # one Int32 of shared memory
+    split_slot: Int32,
+    group: cutlass.Constexpr[int],
+    head_dim: cutlass.Constexpr[int],
+    tidx: Int32,
+    num_threads: cutlass.Constexpr[int],
+    barrier_id: cutlass.Constexpr[int],
+):
+    """After a split's partials are written: count it; the group's last split merges.
+
+    Release: every thread fences its partial stores at GPU scope before the barrier, and
+    one thread then increments the group's semaphore. The thread that sees count
+    splits - 1 is the last; its warpgroup fences again (acquire) and reads every split's
+    partials, then resets the semaphore so the next launch starts from zero.
+    """
+    m = mSlotMerge[split_slot]
+    num_splits = mMerge[m, 5]
+    cute.arch.fence_acq_rel_gpu()
+    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
+    if tidx == 0:
+        done = cute.arch.atomic_add(mMergeSem.iterator + m, Int32(1), sem="acq_rel", scope="gpu")
+        sFlag[0] = Int32(done == num_splits - 1)
+    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
+    if sFlag[0] != 0:
+        cute.arch.fence_acq_rel_gpu()
+        req = mMerge[m, 0]
+        kv_head = mMerge[m, 1]
+        row_start = mMerge[m, 2]
         q_start = mQStart[req]
         q_len = mQStart[req + 1] - q_start
-        gO = layouts.packed_rows(mO, q_start, q_len, kv_head, self.group)
-
-        threads_per_row = self.head_dim // COLS_PER_THREAD
-        rows_per_pass = MERGE_THREADS // threads_per_row
-        col0 = (tidx % threads_per_row) * COLS_PER_THREAD
-        acc = cute.make_rmem_tensor(COLS_PER_THREAD, Float32)
-        for row0 in cutlass.range(0, n_rows, rows_per_pass, unroll=1):
-            row = row0 + tidx // threads_per_row
-            if row < n_rows:
-                lse_max = -Float32.inf
-                for s in cutlass.range(num_splits, unroll=1):
-                    lse_max = cutlass.max(lse_max, mPartialLSE[first_slot + s, row])
-                # All -inf: the row saw no key at all; shift by 0 so weights are exact 0.
-                shift = lse_max
-                if lse_max == -Float32.inf:
-                    shift = Float32(0.0)
-                acc.fill(0.0)
-                total = Float32(0.0)
-                for s in cutlass.range(num_splits, unroll=1):
-                    w = cute.math.exp(mPartialLSE[first_slot + s, row] - shift, fastmath=True)
-                    total = total + w
-                    for j in cutlass.range_constexpr(COLS_PER_THREAD):
-                        acc[j] = acc[j] + w * mPartialO[first_slot + s, row, col0 + j]
-                inv = Float32(0.0)
-                if total > Float32(0.0):
-                    inv = Float32(1.0) / total
-                for j in cutlass.range_constexpr(COLS_PER_THREAD):
-                    gO[row_start + row, col0 + j] = (acc[j] * inv).to(self.dtype)
-                if const_expr(mLSE is not None):
-                    if tidx % threads_per_row == 0:
-                        row_lse = -Float32.inf
-                        if total > Float32(0.0):
-                            row_lse = shift + cute.math.log(total, fastmath=True)
-                        gLSE = layouts.packed_lse(mLSE, q_start, q_len, kv_head, self.group)
-                        gLSE[row_start + row] = row_lse
+        gO = layouts.packed_rows(mO, q_start, q_len, kv_head, group)
+        gLSE = None
+        if const_expr(mLSE is not None):
+            gLSE = layouts.packed_lse(mLSE, q_start, q_len, kv_head, group)
+        merge_group(gO, gLSE, mPartialO, mPartialLSE, row_start, mMerge[m, 3] - row_start,
+                    mMerge[m, 4], num_splits, tidx, num_threads, head_dim)
+        if tidx == 0:
+            mMergeSem[m] = Int32(0)
+    # sFlag is rewritten by the next split this warpgroup finishes.
+    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
