@@ -158,6 +158,8 @@ class PODAttention:
                                max_batch_size=max_batch_size, max_num_tokens=max_num_tokens)
         self._plan: Plan | None = None
         self._page_arg = "block_table"
+        self._cache_tail = ((page_size, num_kv_heads, head_dim) if kv_layout == "NHD"
+                            else (num_kv_heads, page_size, head_dim))
 
     @property
     def current_plan(self) -> Plan | None:
@@ -205,15 +207,29 @@ class PODAttention:
         self._page_arg = "kv_indices" if csr else "block_table"
         return self._plan.summary
 
-    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            out: torch.Tensor | None = None, return_lse: bool = False):
-        """Attention of the planned batch. q [total_q, Hq, D]; caches [num_pages, page_size,
-        Hkv, D] (NHD) or [num_pages, Hkv, page_size, D] (HND), any strides with a
-        contiguous last dim. Returns out [total_q, Hq, D] (q's dtype), and with
-        return_lse also lse [total_q, Hq] float32 (natural log)."""
-        plan = self._plan
-        if plan is None:
-            raise RuntimeError("PODAttention.run() called before plan(): plan the batch first")
+    def _common_case(self, plan: Plan, q, k_cache, v_cache, out) -> bool:
+        """True if the run() arguments are valid: right types, dtypes, device, shapes,
+        contiguous last dims, 16-byte aligned rows, pages inside the cache (the checks of
+        _validate_run, in one expression)."""
+        dt, dev = self.dtype, self.device
+        try:
+            tensors = (q, k_cache, v_cache) if out is None else (q, k_cache, v_cache, out)
+            for t in tensors:
+                if type(t) is not torch.Tensor or t.dtype is not dt or t.device != dev:
+                    return False
+                *rows, last = t.stride()
+                if last != 1 or t.data_ptr() & 15 or any(r & 7 for r in rows):
+                    return False
+            return (q.shape == (plan.total_q, self.num_qo_heads, self.head_dim)
+                    and k_cache.shape[1:] == self._cache_tail and v_cache.shape == k_cache.shape
+                    and (out is None or out.shape == q.shape)
+                    and plan.max_page_index < k_cache.shape[0])
+        except (AttributeError, TypeError, ValueError):
+            return False
+
+    def _validate_run(self, plan: Plan, q, k_cache, v_cache, out) -> None:
+        """Every run() argument check, each raising a ValueError/TypeError that names the
+        argument and what was expected."""
         Hq, Hkv, D, ps = self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size
         for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
             if not isinstance(t, torch.Tensor):
@@ -264,12 +280,26 @@ class PODAttention:
                 raise ValueError(f"out must have a contiguous last dimension, got strides "
                                  f"{tuple(out.stride())}")
             _check_aligned_rows(("out", out))
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            out: torch.Tensor | None = None, return_lse: bool = False):
+        """Attention of the planned batch. q [total_q, Hq, D]; caches [num_pages, page_size,
+        Hkv, D] (NHD) or [num_pages, Hkv, page_size, D] (HND), any strides with a
+        contiguous last dim. Returns out [total_q, Hq, D] (q's dtype), and with
+        return_lse also lse [total_q, Hq] float32 (natural log)."""
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("PODAttention.run() called before plan(): plan the batch first")
+        # One pass over what a serving loop always passes right; anything else (or an
+        # error) takes the detailed checks below, which name the argument at fault.
+        if not self._common_case(plan, q, k_cache, v_cache, out):
+            self._validate_run(plan, q, k_cache, v_cache, out)
         # Only now the device: never fall back to the reference silently.
         _require_hopper(q.device)
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        lse = (torch.empty(q.shape[0], Hq, dtype=torch.float32, device=q.device)
-               if return_lse else None)
+        lse = (torch.empty(q.shape[0], self.num_qo_heads, dtype=torch.float32,
+                           device=q.device) if return_lse else None)
         from podcute.launch import launch  # imports the CuTe DSL: only on a Hopper machine
 
         launch(plan, q, k_cache, v_cache, out, lse, kv_layout=self.kv_layout)
