@@ -18,6 +18,7 @@ CTA = 2 warpgroups:
     group's last piece merges them (`split_merge`), so a batch is one launch.
 """
 
+from functools import partial
 from typing import Optional
 
 import cuda.bindings.driver as cuda
@@ -409,8 +410,15 @@ class PodAttentionSm90:
             cute.size(rows_cols_view(acc_O), mode=[0]), sm_scale * LOG2_E
         )
 
+        # P of the previous KV tile, as the register A operand of the P V wgmma.
+        rP = cute.make_rmem_tensor(acc_shape_S, self.dtype)
+        tOrP = cute.make_tensor(rP.iterator, acc_as_operand_a_layout(rP.layout))
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        kv_state = pipeline.make_pipeline_state(
+        # K and V stages are filled in step; V is consumed one tile behind K.
+        k_state = pipeline.make_pipeline_state(
+            pipeline.PipelineUserType.Consumer, self.tile.num_stages
+        )
+        v_state = pipeline.make_pipeline_state(
             pipeline.PipelineUserType.Consumer, self.tile.num_stages
         )
         for i in cutlass.range(item_begin, item_end, unroll=1):
@@ -429,39 +437,48 @@ class PodAttentionSm90:
             pipeline_q.consumer_wait(q_state)
             # cp.async wrote sQ/sK/sV through the generic proxy; wgmma reads via the async one.
             cute.arch.fence_view_async_shared()
-            for n_block in cutlass.range(n_min, n_max, unroll=1):
-                pipeline_k.consumer_wait(kv_state)
-                cute.arch.fence_view_async_shared()
-                acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
-                warpgroup_gemm(
-                    tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index], True
-                )
+            mask_tile = partial(
+                apply_mask, tScS=tScS, row_start=item.row_start, kv_end=item.kv_end,
+                causal_offset=causal_offset, group=self.group, causal=self.causal,
+            )
+            if n_max > n_min:
+                # Intra-warpgroup overlap: S of tile n is computed (wgmma) while P V of
+                # tile n-1 runs, and the softmax of tile n overlaps that P V.
+                acc_S = self.qk_tile(tiled_mma_qk, tSrQ, tSrK, acc_shape_S, pipeline_k, k_state)
                 warpgroup.wait_group(0)
-                pipeline_k.consumer_release(kv_state)
-                if n_block >= mask_from:
-                    apply_mask(
-                        acc_S, tScS, item.row_start, n_block * tile_n, item.kv_end,
-                        causal_offset, self.group, self.causal,
-                    )
-                row_scale = softmax.update(acc_S)
-                rescale_rows(acc_O, row_scale)
-                rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
+                pipeline_k.consumer_release(k_state)
+                k_state.advance()
+                if n_min >= mask_from:
+                    mask_tile(acc_S, col_start=n_min * tile_n)
+                softmax.update(acc_S)  # O is still zero: nothing to rescale
                 rP.store(acc_S.load().to(self.dtype))
-                tOrP = cute.make_tensor(rP.iterator, acc_as_operand_a_layout(rP.layout))
-                pipeline_v.consumer_wait(kv_state)
+                for n_block in cutlass.range(n_min + 1, n_max, unroll=1):
+                    acc_S = self.qk_tile(
+                        tiled_mma_qk, tSrQ, tSrK, acc_shape_S, pipeline_k, k_state
+                    )
+                    self.pv_tile(tiled_mma_pv, acc_O, tOrP, tOrVt, pipeline_v, v_state)
+                    warpgroup.wait_group(1)  # S done; P V still running
+                    pipeline_k.consumer_release(k_state)
+                    k_state.advance()
+                    if n_block >= mask_from:
+                        mask_tile(acc_S, col_start=n_block * tile_n)
+                    row_scale = softmax.update(acc_S)
+                    warpgroup.wait_group(0)  # P V done: O and rP are free
+                    pipeline_v.consumer_release(v_state)
+                    v_state.advance()
+                    rescale_rows(acc_O, row_scale)
+                    rP.store(acc_S.load().to(self.dtype))
                 if const_expr(self.tma_kv):
                     # A TMA box brings the whole page tail: slots past kv_len may hold
                     # garbage (NaN), and P = 0 times NaN is NaN, so zero those V rows.
-                    if (n_block + 1) * tile_n > item.kv_end:
-                        self.zero_rows(sV[None, None, kv_state.index],
-                                       item.kv_end - n_block * tile_n, tidx)
-                cute.arch.fence_view_async_shared()
-                warpgroup_gemm(
-                    tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index], False
-                )
+                    if n_max * tile_n > item.kv_end:
+                        pipeline_v.consumer_wait(v_state)
+                        self.zero_rows(sV[None, None, v_state.index],
+                                       item.kv_end - (n_max - 1) * tile_n, tidx)
+                self.pv_tile(tiled_mma_pv, acc_O, tOrP, tOrVt, pipeline_v, v_state)
                 warpgroup.wait_group(0)
-                pipeline_v.consumer_release(kv_state)
-                kv_state.advance()
+                pipeline_v.consumer_release(v_state)
+                v_state.advance()
             pipeline_q.consumer_release(q_state)
             q_state.advance()
 
@@ -473,6 +490,22 @@ class PodAttentionSm90:
                     mO, mLSE, mPartialO, mPartialLSE, mMerge, mSlotMerge, mMergeSem, mQStart,
                     sFlag, item.split_slot, self.group, d, tidx, WARPGROUP, barrier_id=2,
                 )
+
+    @cute.jit
+    def qk_tile(self, tiled_mma_qk, tSrQ, tSrK, acc_shape_S, pipeline_k, k_state):
+        """Wait for K tile `k_state` and issue S = Q K^T (asynchronous; caller waits)."""
+        pipeline_k.consumer_wait(k_state)
+        cute.arch.fence_view_async_shared()
+        acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
+        warpgroup_gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, k_state.index], True)
+        return acc_S
+
+    @cute.jit
+    def pv_tile(self, tiled_mma_pv, acc_O, tOrP, tOrVt, pipeline_v, v_state):
+        """Wait for V tile `v_state` and issue O += P V (asynchronous; caller waits)."""
+        pipeline_v.consumer_wait(v_state)
+        cute.arch.fence_view_async_shared()
+        warpgroup_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index], False)
 
     @cute.jit
     def zero_rows(self, sX: cute.Tensor, first_row: Int32, tidx: Int32):
