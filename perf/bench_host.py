@@ -186,19 +186,6 @@ def disk_load(env: dict, child_log: str) -> dict:
 # --------------------------------------------------------------------------------------
 
 
-def _plain(fn, calls):
-    import torch
-
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    t2 = time.perf_counter()
-    return dict(issue_us=(t1 - t0) * 1e6 / calls, wall_us=(t2 - t0) * 1e6 / calls, calls=calls)
-
-
 def _sleep_covered(fn, calls):
     """Host us per call, `calls` calls in chunks of CHUNK, each chunk issued behind a long
     queued sleep (checked: the event after the sleep had not completed when the chunk
@@ -235,7 +222,7 @@ def host_overhead(calls: int) -> dict:
     import torch
 
     import podcute
-    from perf.timing import time_gpu
+    from perf.timing import host_time_per_call, time_gpu
     from podcute.testing import make_batch
 
     res = {}
@@ -259,7 +246,8 @@ def host_overhead(calls: int) -> dict:
         eager_out = attn.run(q, k, v).clone()
         ref = b.reference().float()
         r["rel_l2_vs_reference"] = ((eager_out.float() - ref).norm() / ref.norm()).item()
-        r["eager"] = dict(plain=_plain(eager, calls), sleep_covered=_sleep_covered(eager, calls),
+        r["eager"] = dict(plain=host_time_per_call(eager, calls),
+                          sleep_covered=_sleep_covered(eager, calls),
                           gpu_ms=time_gpu(lambda i: eager(), reps=50).ms)
         log(f"  {name} eager: {r['eager']}")
 
@@ -283,7 +271,7 @@ def host_overhead(calls: int) -> dict:
             for _ in range(20):
                 replay()
             torch.cuda.synchronize()
-            r["graph"] = dict(output_equals_eager=same, plain=_plain(replay, calls),
+            r["graph"] = dict(output_equals_eager=same, plain=host_time_per_call(replay, calls),
                               sleep_covered=_sleep_covered(replay, calls),
                               gpu_ms=time_gpu(lambda i: replay(), reps=50).ms)
             torch.cuda.synchronize()
