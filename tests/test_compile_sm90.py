@@ -34,8 +34,8 @@ def test_all_variants_compile_with_wgmma_and_setmaxnreg(compile_log):
 def test_no_register_spills(compile_log):
     text = compile_log.stdout + compile_log.stderr
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", text)]
-    # Two kernels (fused + merge) per variant report their resource usage.
-    assert len(spills) >= 2 * len(shipped_variants()), text[-2000:]
+    # Every variant's one fused kernel reports its resource usage.
+    assert len(spills) >= len(shipped_variants()), text[-2000:]
     assert max(spills) == 0, [l for l in text.splitlines() if "spill stores" in l and " 0 bytes" not in l]
 
 
