@@ -10,19 +10,19 @@ validated (lengths, page tables).
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
+from podcute.compile import unsupported_arch_message
 from podcute.kernels.config import SUPPORTED_HEAD_DIMS, SUPPORTED_PAGE_SIZES
+from podcute.launch import launch, require_sm90
 from podcute.plan import Plan, Planner, PlanSummary
 
 __all__ = ["PODAttention", "pod_attention", "PlanSummary", "KV_LAYOUTS"]
 
 KV_LAYOUTS = ("NHD", "HND")
 _DTYPES = (torch.bfloat16, torch.float16)
-_NEED_HOPPER = "podcute needs an NVIDIA Hopper GPU (sm_90a: H100/H200) to run the kernel; found "
 
 
 # --------------------------------------------------------------------------------------
@@ -94,28 +94,6 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
     return ia == ib
 
 
-@functools.lru_cache(maxsize=None)
-def _hopper_problem(device: torch.device) -> str | None:
-    """None if `device` can run the kernel, else what was found instead (cached)."""
-    if device.type != "cuda":
-        cuda = ("no CUDA device" if not torch.cuda.is_available()
-                else f"{torch.cuda.device_count()} CUDA device(s)")
-        return f"tensors on {device} ({cuda} on this machine)"
-    if not torch.cuda.is_available():
-        return "no CUDA device"
-    major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) != (9, 0):
-        name = torch.cuda.get_device_name(device)
-        return f"{name} (sm_{major}{minor})"
-    return None
-
-
-def _require_hopper(device: torch.device) -> None:
-    problem = _hopper_problem(device)
-    if problem is not None:
-        raise RuntimeError(_NEED_HOPPER + problem)
-
-
 # --------------------------------------------------------------------------------------
 # PODAttention
 # --------------------------------------------------------------------------------------
@@ -146,8 +124,8 @@ class PODAttention:
         _check_layout(kv_layout)
         device = torch.device(device)
         if device.type == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError(_NEED_HOPPER + "no CUDA device (construct with device='cpu' "
-                               "to plan on the host only)")
+            raise RuntimeError(unsupported_arch_message(
+                "no CUDA device (construct with device='cpu' to plan on the host only)"))
         if device.type == "cuda" and device.index is None:
             # An explicit index makes run()'s device checks one equality test.
             device = torch.device("cuda", torch.cuda.current_device())
@@ -295,13 +273,11 @@ class PODAttention:
         if not self._common_case(plan, q, k_cache, v_cache, out):
             self._validate_run(plan, q, k_cache, v_cache, out)
         # Only now the device: never fall back to the reference silently.
-        _require_hopper(q.device)
+        require_sm90(q.device)
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         lse = (torch.empty(q.shape[0], self.num_qo_heads, dtype=torch.float32,
                            device=q.device) if return_lse else None)
-        from podcute.launch import launch  # imports the CuTe DSL: only on a Hopper machine
-
         launch(plan, q, k_cache, v_cache, out, lse, kv_layout=self.kv_layout)
         return (out, lse) if return_lse else out
 

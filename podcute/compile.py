@@ -70,9 +70,10 @@ class VariantKey:
 _FINGERPRINT = _source_fingerprint()
 
 
-def unsupported_arch_message(arch: str) -> str:
-    return (f"podcute kernels are built for {', '.join(SUPPORTED_ARCHS)} "
-            f"(NVIDIA Hopper: H100/H200); got {arch}")
+def unsupported_arch_message(found: str) -> str:
+    """The one message for hardware podcute cannot run on (compile CLI, VariantKey, run())."""
+    return ("podcute needs an NVIDIA Hopper GPU (sm_90a: H100/H200) to run the kernel; "
+            f"supported architectures: {', '.join(SUPPORTED_ARCHS)}; found {found}")
 
 
 def _cutlass_dtype(name: str):
@@ -265,7 +266,7 @@ def compile_all(arch: str, check: bool = False, out=None) -> int:
 
     out = out or sys.stdout
     if arch not in SUPPORTED_ARCHS:
-        print(unsupported_arch_message(arch), file=sys.stderr)
+        print(unsupported_arch_message(f"--arch {arch}"), file=sys.stderr)
         return 2
     os.environ.setdefault("CUTE_DSL_ARCH", arch)
     variants = shipped_variants(arch)

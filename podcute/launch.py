@@ -1,26 +1,32 @@
 """Glue between a Plan and the compiled kernel: pick the variant, launch it."""
 
+import functools
+
 import torch
 
 from podcute.compile import VariantKey, compile_variant, unsupported_arch_message
 
 
-def device_arch(device: torch.device) -> str:
+@functools.lru_cache(maxsize=None)
+def _hopper_problem(device: torch.device) -> str | None:
+    """None if `device` can run the kernel, else what was found instead (cached)."""
+    if device.type != "cuda":
+        cuda = ("no CUDA device" if not torch.cuda.is_available()
+                else f"{torch.cuda.device_count()} CUDA device(s)")
+        return f"tensors on {device} ({cuda} on this machine)"
+    if not torch.cuda.is_available():
+        return "no CUDA device"
     major, minor = torch.cuda.get_device_capability(device)
-    return f"sm_{major}{minor}" + ("a" if major == 9 else "")
+    if (major, minor) != (9, 0):
+        return f"{torch.cuda.get_device_name(device)} (sm_{major}{minor})"
+    return None
 
 
 def require_sm90(device: torch.device) -> None:
     """Raise a RuntimeError naming what is needed unless `device` is a Hopper GPU."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        raise RuntimeError(
-            "podcute needs an NVIDIA Hopper GPU (sm_90a: H100/H200) to run the kernel; "
-            f"the tensors are on {device} and CUDA is "
-            f"{'available' if torch.cuda.is_available() else 'not available'}"
-        )
-    arch = device_arch(device)
-    if arch != "sm_90a":
-        raise RuntimeError(unsupported_arch_message(arch))
+    problem = _hopper_problem(device)
+    if problem is not None:
+        raise RuntimeError(unsupported_arch_message(problem))
 
 
 _variants: dict = {}

@@ -24,6 +24,8 @@ class TileConfig:
             raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
         # Two CTAs share an SM (one prefill-heavy, one decode-heavy at any moment), so each
         # keeps to half of the 227 KB of shared memory: Q tile + stages x (K + V tiles).
+        # tile_n 64 also bounds registers: with S of one tile and P of the previous one
+        # live at once (intra-warpgroup overlap), a 128-wide tile spills at D 64.
         if head_dim == 64:
-            return TileConfig(head_dim, tile_m=64, tile_n=128, num_stages=2)
-        return TileConfig(head_dim, tile_m=64, tile_n=64, num_stages=2)
+            return TileConfig(head_dim, tile_m=64, tile_n=64, num_stages=4)  # 72 KB
+        return TileConfig(head_dim, tile_m=64, tile_n=64, num_stages=2)  # 80 KB
