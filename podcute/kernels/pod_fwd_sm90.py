@@ -302,7 +302,7 @@ class PodAttentionSm90:
                        sK, sV, pipeline_k, pipeline_v, kv_state, item: WorkItem,
                        n_min: Int32, n_max: Int32):
         """One TMA box per K and V tile, issued by one warp (page_size % tile_n == 0)."""
-        tile_n, d = self.tile.tile_n, self.head_dim
+        tile_n = self.tile.tile_n
         tKsK, tKgK = self._tma_tiles(tma_atom_k, mK, sK, item.kv_head)
         tVsV, tVgV = self._tma_tiles(tma_atom_v, mV, sV, item.kv_head)
         for n_block in cutlass.range(n_min, n_max, unroll=1):
