@@ -201,7 +201,7 @@ class PODAttention:
             return (q.shape == (plan.total_q, self.num_qo_heads, self.head_dim)
                     and k_cache.shape[1:] == self._cache_tail and v_cache.shape == k_cache.shape
                     and (out is None or out.shape == q.shape)
-                    and plan.max_page_index < k_cache.shape[0])
+                    and plan.pages_within(k_cache.shape[0]))
         except (AttributeError, TypeError, ValueError):
             return False
 

@@ -217,10 +217,14 @@ class Plan:
                 self.page_list, self.partial_o, self.partial_lse, self.merge, self.slot_merge,
                 self.merge_sem, float(self.sm_scale), self.config.page_size, self.grid)
 
+    def pages_within(self, num_pages: int) -> bool:
+        """True if plan()'s bound already shows every page read is < num_pages (O(1))."""
+        return self.max_page_index < num_pages
+
     def check_pages(self, num_pages: int, name: str = "block_table") -> None:
         """Raise ValueError if a request reads a page index >= num_pages (the KV cache's
         page count). O(1) unless plan()'s cheap bound is inconclusive."""
-        if self.max_page_index < num_pages:
+        if self.pages_within(num_pages):
             return
         b, page = self._pages.first_at_least(num_pages)
         if b >= 0:

@@ -538,14 +538,15 @@ class PodAttentionSm90:
         quad_leader = tidx % 4 == 0
         if item.split_slot >= 0:
             acc_O_mn = rows_cols_view(acc_O)
-            gO = mPartialO[item.split_slot, None, None]
+            gO = layouts.partial_rows(mPartialO, item.split_slot)
+            gLSE = layouts.partial_lse(mPartialLSE, item.split_slot)
             for r in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[0])):
                 row = tOcO_mn[r, 0][0]
                 if row < n_rows:
                     for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
                         gO[row, tOcO_mn[0, c][1]] = acc_O_mn[r, c]
                     if quad_leader:
-                        mPartialLSE[item.split_slot, row] = lse[r]
+                        gLSE[row] = lse[r]
         else:
             rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
             rO.store(acc_O.load().to(self.dtype))

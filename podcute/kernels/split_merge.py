@@ -43,7 +43,8 @@ def merge_group(
         if row < n_rows:
             lse_max = -Float32.inf
             for s in cutlass.range(num_splits, unroll=1):
-                lse_max = cutlass.max(lse_max, mPartialLSE[first_slot + s, row])
+                split_lse = layouts.partial_lse(mPartialLSE, first_slot + s)[row]
+                lse_max = cutlass.max(lse_max, split_lse)
             # All -inf: the row saw no key at all; shift by 0 so weights are exact 0.
             shift = lse_max
             if lse_max == -Float32.inf:
@@ -51,10 +52,12 @@ def merge_group(
             acc.fill(0.0)
             total = Float32(0.0)
             for s in cutlass.range(num_splits, unroll=1):
-                w = cute.math.exp(mPartialLSE[first_slot + s, row] - shift, fastmath=True)
+                w = cute.math.exp(layouts.partial_lse(mPartialLSE, first_slot + s)[row] - shift,
+                                  fastmath=True)
                 total = total + w
+                gPartial = layouts.partial_rows(mPartialO, first_slot + s)
                 for j in cutlass.range_constexpr(COLS_PER_THREAD):
-                    acc[j] = acc[j] + w * mPartialO[first_slot + s, row, col0 + j]
+                    acc[j] = acc[j] + w * gPartial[row, col0 + j]
             inv = Float32(0.0)
             if total > Float32(0.0):
                 inv = Float32(1.0) / total
