@@ -17,9 +17,9 @@ import torch
 from podcute.compile import unsupported_arch_message
 from podcute.kernels.config import SUPPORTED_HEAD_DIMS, SUPPORTED_PAGE_SIZES
 from podcute.launch import launch, require_sm90
-from podcute.plan import Plan, Planner, PlanSummary
+from podcute.plan import CapacityError, Plan, Planner, PlanSummary
 
-__all__ = ["PODAttention", "pod_attention", "PlanSummary", "KV_LAYOUTS"]
+__all__ = ["PODAttention", "pod_attention", "PlanSummary", "CapacityError", "KV_LAYOUTS"]
 
 KV_LAYOUTS = ("NHD", "HND")
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -52,6 +52,8 @@ def _check_index(name, t, device, ndim, length=None, optional=False):
             return
         raise ValueError(f"{name} is required")
     if isinstance(t, torch.Tensor):
+        if t.layout != torch.strided:
+            raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
         if t.dtype != torch.int32:
             raise TypeError(f"{name} must be an int32 tensor, got {t.dtype}")
         if t.device.type != "cpu" and not _same_device(t.device, device):
@@ -82,6 +84,39 @@ def _check_aligned_rows(*named):
                              f"{tuple(t.stride())} and data pointer {t.data_ptr():#x}")
 
 
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last + 1) byte addresses a tensor's elements span (torch strides are >= 0)."""
+    if t.numel() == 0:
+        return 0, 0
+    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + span * t.element_size()
+
+
+def _check_out_memory(out: torch.Tensor, named) -> None:
+    """`out` must not write where the kernel reads (q, the caches) and no two of its
+    elements may share memory (zero or overlapping strides)."""
+    for n, s in zip(out.shape, out.stride()):
+        if n > 1 and s == 0:
+            raise ValueError(f"out must not have zero strides (an expanded view), got strides "
+                             f"{tuple(out.stride())}")
+    # Elements are distinct when, with dims ordered by stride, each stride exceeds the span
+    # of all smaller dims (sufficient, and true of every dense or sliced tensor).
+    span = 0
+    dims = sorted(((s, n) for n, s in zip(out.shape, out.stride()) if n > 1))
+    for s, n in dims:
+        if s <= span:
+            raise ValueError(f"out's elements overlap each other (shape {tuple(out.shape)}, "
+                             f"strides {tuple(out.stride())}); pass a non-overlapping buffer")
+        span += (n - 1) * s
+    lo, hi = _extent(out)
+    for name, t in named:
+        tlo, thi = _extent(t)
+        if lo < thi and tlo < hi:
+            raise ValueError(f"out overlaps {name} in memory (out spans bytes [{lo:#x}, {hi:#x}), "
+                             f"{name} [{tlo:#x}, {thi:#x})); the kernel reads {name} while it "
+                             "writes out, so out must be a separate buffer (not q itself)")
+
+
 def _same_device(a: torch.device, b: torch.device) -> bool:
     if a == b:
         return True
@@ -103,13 +138,17 @@ class PODAttention:
     """Fused prefill+decode paged attention for one head/page configuration.
 
     ``plan()`` once per batch (host work, no GPU sync when the index tensors are on the
-    CPU), then ``run()`` once per layer. Buffers are sized from max_batch_size /
-    max_num_tokens and only grow (outside CUDA-graph capture) for a bigger batch.
+    CPU), then ``run()`` once per layer. Buffers are sized from the capacities
+    (``max_batch_size`` requests, ``max_num_tokens`` query tokens, ``max_num_pages``
+    page-list entries: see :class:`~podcute.plan.Planner`) and grow for a bigger batch
+    only until a ``run()`` is captured in a CUDA graph; after that, ``plan()`` raises
+    :class:`~podcute.plan.CapacityError` for a batch that does not fit (README, CUDA graphs).
     """
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  dtype: torch.dtype = torch.bfloat16, kv_layout: str = "NHD",
-                 device="cuda", max_batch_size: int = 256, max_num_tokens: int = 16384):
+                 device="cuda", max_batch_size: int = 256, max_num_tokens: int = 16384,
+                 max_num_pages: int | None = None):
         _check_int("num_qo_heads", num_qo_heads)
         _check_int("num_kv_heads", num_kv_heads)
         if num_qo_heads % num_kv_heads:
@@ -119,10 +158,21 @@ class PODAttention:
         _check_int("page_size", page_size, SUPPORTED_PAGE_SIZES)
         _check_int("max_batch_size", max_batch_size)
         _check_int("max_num_tokens", max_num_tokens)
+        if max_num_pages is not None:
+            _check_int("max_num_pages", max_num_pages)
         if dtype not in _DTYPES:
             raise TypeError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
         _check_layout(kv_layout)
-        device = torch.device(device)
+        if not isinstance(device, (str, int, torch.device)):
+            raise TypeError(f"device must be a str, int or torch.device, got "
+                            f"{type(device).__name__}")
+        try:
+            device = torch.device(device)
+        except RuntimeError as err:
+            raise ValueError(f"device {device!r} is not a valid torch device ({err})") from None
+        if device.type not in ("cuda", "cpu"):
+            raise ValueError(f"device must be a CUDA device (or 'cpu' to plan on the host "
+                             f"only), got {device}")
         if device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError(unsupported_arch_message(
                 "no CUDA device (construct with device='cpu' to plan on the host only)"))
@@ -133,11 +183,15 @@ class PODAttention:
         self.head_dim, self.page_size = head_dim, page_size
         self.dtype, self.kv_layout, self.device = dtype, kv_layout, device
         self.planner = Planner(num_qo_heads, num_kv_heads, head_dim, page_size, device=device,
-                               max_batch_size=max_batch_size, max_num_tokens=max_num_tokens)
+                               max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
+                               max_num_pages=max_num_pages,
+                               dtype=str(dtype).replace("torch.", ""))
         self._plan: Plan | None = None
         self._page_arg = "block_table"
         self._cache_tail = ((page_size, num_kv_heads, head_dim) if kv_layout == "NHD"
                             else (num_kv_heads, page_size, head_dim))
+        self._q_tail = (num_qo_heads, head_dim)
+        self._on_cuda = device.type == "cuda"
 
     @property
     def current_plan(self) -> Plan | None:
@@ -175,8 +229,10 @@ class PODAttention:
         if sm_scale is not None:
             if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
                 raise TypeError(f"sm_scale must be a float or None, got {type(sm_scale).__name__}")
-            if not (math.isfinite(sm_scale) and sm_scale > 0):
-                raise ValueError(f"sm_scale must be a finite positive float, got {sm_scale}")
+            # The kernel takes it as float32: 1e39 is finite here but infinite there.
+            f32 = torch.tensor(float(sm_scale), dtype=torch.float32).item()
+            if not (math.isfinite(f32) and f32 > 0):
+                raise ValueError(f"sm_scale must be a finite positive float32, got {sm_scale}")
         self._plan = None  # a failed plan() leaves no stale plan behind
         self._plan = self.planner.plan(cu_seqlens_q, kv_lens, block_table=block_table,
                                        kv_indptr=kv_indptr, kv_indices=kv_indices,
@@ -193,14 +249,27 @@ class PODAttention:
         try:
             tensors = (q, k_cache, v_cache) if out is None else (q, k_cache, v_cache, out)
             for t in tensors:
-                if type(t) is not torch.Tensor or t.dtype is not dt or t.device != dev:
+                if (type(t) is not torch.Tensor or t.dtype is not dt or t.device != dev
+                        or t.layout is not torch.strided):
                     return False
                 *rows, last = t.stride()
                 if last != 1 or t.data_ptr() & 15 or any(r & 7 for r in rows):
                     return False
-            return (q.shape == (plan.total_q, self.num_qo_heads, self.head_dim)
+            if out is not None:
+                # no zero strides (the row checks above cover overlapping rows only when the
+                # strides are dense) and no overlap with what the kernel reads
+                so = out.stride()
+                if (so[0] < out.shape[1] * so[1] or so[1] < out.shape[2]
+                        or out.shape != q.shape):
+                    return False
+                lo, hi = _extent(out)
+                for t in tensors[:3]:
+                    tlo, thi = _extent(t)
+                    if lo < thi and tlo < hi:
+                        return False
+            return (q.shape[0] >= plan.total_q and q.shape[1:] == self._q_tail
+                    and q.shape[0] < 2**31
                     and k_cache.shape[1:] == self._cache_tail and v_cache.shape == k_cache.shape
-                    and (out is None or out.shape == q.shape)
                     and plan.pages_within(k_cache.shape[0]))
         except (AttributeError, TypeError, ValueError):
             return False
@@ -212,6 +281,8 @@ class PODAttention:
         for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.layout != torch.strided:
+                raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
         if q.dtype != self.dtype:
             raise TypeError(f"q must be {self.dtype} (this PODAttention's dtype), got {q.dtype}")
         if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
@@ -225,9 +296,12 @@ class PODAttention:
         if q.dim() != 3 or q.shape[1] != Hq or q.shape[2] != D:
             raise ValueError(f"q must be [total_q, num_qo_heads={Hq}, head_dim={D}], got "
                              f"shape {tuple(q.shape)}")
-        if q.shape[0] != plan.total_q:
+        if q.shape[0] < plan.total_q:
             raise ValueError(f"q has {q.shape[0]} rows but the planned batch has "
-                             f"cu_seqlens_q[-1] = {plan.total_q} query tokens")
+                             f"cu_seqlens_q[-1] = {plan.total_q} query tokens (q may have more "
+                             "rows: padding, never read or written)")
+        if q.shape[0] >= 2**31:
+            raise ValueError(f"q has {q.shape[0]} rows; podcute indexes rows with int32 (< 2**31)")
         want = ("[num_pages, page_size, num_kv_heads, head_dim]" if self.kv_layout == "NHD"
                 else "[num_pages, num_kv_heads, page_size, head_dim]")
         exp = (ps, Hkv, D) if self.kv_layout == "NHD" else (Hkv, ps, D)
@@ -247,6 +321,8 @@ class PODAttention:
         if out is not None:
             if not isinstance(out, torch.Tensor):
                 raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+            if out.layout != torch.strided:
+                raise TypeError(f"out must be a dense (strided) tensor, got layout {out.layout}")
             if out.dtype != q.dtype:
                 raise TypeError(f"out must have q's dtype {q.dtype}, got {out.dtype}")
             if tuple(out.shape) != tuple(q.shape):
@@ -258,13 +334,17 @@ class PODAttention:
                 raise ValueError(f"out must have a contiguous last dimension, got strides "
                                  f"{tuple(out.stride())}")
             _check_aligned_rows(("out", out))
+            _check_out_memory(out, (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)))
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             out: torch.Tensor | None = None, return_lse: bool = False):
-        """Attention of the planned batch. q [total_q, Hq, D]; caches [num_pages, page_size,
+        """Attention of the planned batch. q [T, Hq, D] with T >= cu_seqlens_q[-1] (rows
+        past it are padding: never read, never written); caches [num_pages, page_size,
         Hkv, D] (NHD) or [num_pages, Hkv, page_size, D] (HND), any strides with a
-        contiguous last dim. Returns out [total_q, Hq, D] (q's dtype), and with
-        return_lse also lse [total_q, Hq] float32 (natural log)."""
+        contiguous last dim. Returns out [T, Hq, D] (q's dtype; `out` if given, which must
+        not overlap q or the caches), and with return_lse also lse [T, Hq] float32
+        (natural log). CUDA-graph capturable: the first captured call fixes the planner's
+        buffers (README, CUDA graphs)."""
         plan = self._plan
         if plan is None:
             raise RuntimeError("PODAttention.run() called before plan(): plan the batch first")
@@ -274,6 +354,8 @@ class PODAttention:
             self._validate_run(plan, q, k_cache, v_cache, out)
         # Only now the device: never fall back to the reference silently.
         require_sm90(q.device)
+        if not self.planner.frozen and torch.cuda.is_current_stream_capturing():
+            self.planner.freeze()  # the graph holds the buffers' addresses from now on
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         lse = (torch.empty(q.shape[0], self.num_qo_heads, dtype=torch.float32,
@@ -307,6 +389,11 @@ def pod_attention(q, k_cache, v_cache, *, cu_seqlens_q, seqused_k, block_table, 
     Hq, D = q.shape[1], q.shape[2]
     ps, Hkv = (k_cache.shape[1], k_cache.shape[2]) if kv_layout == "NHD" else (
         k_cache.shape[2], k_cache.shape[1])
+    if Hq < 1:
+        raise ValueError(f"q must have >= 1 query heads (q.shape[1]), got shape {tuple(q.shape)}")
+    if Hkv < 1:
+        raise ValueError(f"k_cache must have >= 1 KV heads, got shape {tuple(k_cache.shape)} "
+                         f"({kv_layout})")
     if k_cache.shape[3] != D:
         raise ValueError(f"k_cache head_dim {k_cache.shape[3]} differs from q's {D}")
     if Hq % Hkv:

@@ -10,6 +10,7 @@ torch tensors through TVM-FFI (no per-call DLPack conversion in Python).
 import ctypes
 import fcntl
 import hashlib
+import importlib.util
 import os
 import tempfile
 import threading
@@ -20,18 +21,29 @@ from pathlib import Path
 
 import torch
 
-from podcute.kernels.config import SUPPORTED_ARCHS, TileConfig
+from podcute.kernels.config import SUPPORTED_ARCHS, KernelConfig
+from podcute.kernels.metadata import MERGE_COLS, NUM_PARAMS, WORK_COLS
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
-_KERNEL_DIR = Path(__file__).parent / "kernels"
+
+
+def _kernel_source_files() -> list[Path]:
+    """Every file that shapes a compiled kernel: podcute/kernels/, the layouts package
+    (found through the import system, so a regular install, an editable one and a source
+    tree all hash what they actually import) and this module (the compiled signature)."""
+    here = Path(__file__).resolve().parent
+    spec = importlib.util.find_spec("podcute.layouts")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("podcute.layouts is not importable: reinstall podcute")
+    layouts = Path(list(spec.submodule_search_locations)[0])
+    return (sorted((here / "kernels").glob("*.py")) + sorted(layouts.glob("*.py"))
+            + [Path(__file__).resolve()])
 
 
 def _source_fingerprint() -> str:
     digest = hashlib.sha256()
-    for path in sorted(_KERNEL_DIR.glob("*.py")) + sorted(
-        (Path(__file__).parent.parent / "layouts").glob("*.py")
-    ):
-        digest.update(path.name.encode())
+    for path in _kernel_source_files():
+        digest.update(f"{path.parent.name}/{path.name}".encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
 
@@ -44,27 +56,22 @@ def _dsl_version() -> str:
 
 @dataclass(frozen=True)
 class VariantKey:
-    arch: str
-    dtype: str
-    head_dim: int
-    group: int
-    causal: bool
-    has_lse: bool
-    tma_kv: bool  # page class: whole KV tiles per page (TMA boxes) or a cp.async gather
-    tile: TileConfig
+    config: KernelConfig  # every static choice of the kernel (tiles, flags, dtype, arch)
     sources: str
     dsl: str
 
+    @property
+    def arch(self) -> str:
+        return self.config.arch
+
     @staticmethod
-    def make(dtype: torch.dtype, head_dim: int, group: int, causal: bool, has_lse: bool,
-             tma_kv: bool = False, arch: str = "sm_90a") -> "VariantKey":
-        if arch not in SUPPORTED_ARCHS:
-            raise ValueError(unsupported_arch_message(arch))
-        return VariantKey(
-            arch=arch, dtype=_DTYPES[dtype], head_dim=head_dim, group=group,
-            causal=bool(causal), has_lse=bool(has_lse), tma_kv=bool(tma_kv),
-            tile=TileConfig.for_head_dim(head_dim), sources=_FINGERPRINT, dsl=_dsl_version(),
-        )
+    def make(config: KernelConfig) -> "VariantKey":
+        if config.arch not in SUPPORTED_ARCHS:
+            raise ValueError(unsupported_arch_message(config.arch))
+        ok, why = config.can_implement()
+        if not ok:
+            raise ValueError(f"podcute cannot build this kernel configuration: {why}")
+        return VariantKey(config=config, sources=_FINGERPRINT, dsl=_dsl_version())
 
 
 _FINGERPRINT = _source_fingerprint()
@@ -88,8 +95,9 @@ def _fake_args(key: VariantKey):
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
-    dtype = _cutlass_dtype(key.dtype)
-    d = key.head_dim
+    cfg = key.config
+    dtype = _cutlass_dtype(cfg.dtype)
+    d = cfg.head_dim
 
     def sym(div=1):
         return cute.sym_int64(divisibility=div)
@@ -106,18 +114,19 @@ def _fake_args(key: VariantKey):
     def ivec():
         return make_fake_tensor(cutlass.Int32, (sym(),), (1,), assumed_align=4)
 
-    tile_m = key.tile.tile_m
+    rows = cfg.partial_rows
     lse = (make_fake_tensor(cutlass.Float32, (sym(), sym()), (sym(), 1), assumed_align=4)
-           if key.has_lse else None)
-    work = make_fake_tensor(cutlass.Int32, (sym(), 8), (8, 1), assumed_align=16)
-    partial_o = make_fake_tensor(cutlass.Float32, (sym(), tile_m, d), (tile_m * d, d, 1),
+           if cfg.has_lse else None)
+    work = make_fake_tensor(cutlass.Int32, (sym(), WORK_COLS), (WORK_COLS, 1), assumed_align=16)
+    partial_o = make_fake_tensor(cutlass.Float32, (sym(), rows, d), (rows * d, d, 1),
                                  assumed_align=16)
-    partial_lse = make_fake_tensor(cutlass.Float32, (sym(), tile_m), (tile_m, 1), assumed_align=16)
-    merge = make_fake_tensor(cutlass.Int32, (sym(), 6), (6, 1), assumed_align=4)
+    partial_lse = make_fake_tensor(cutlass.Float32, (sym(), rows), (rows, 1), assumed_align=16)
+    merge = make_fake_tensor(cutlass.Int32, (sym(), MERGE_COLS), (MERGE_COLS, 1), assumed_align=4)
+    params = make_fake_tensor(cutlass.Float32, (NUM_PARAMS,), (1,), assumed_align=16)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-    # Order: PodAttentionSm90.__call__ (q, k, v, out, lse, then Plan.kernel_args).
+    # Order: PodAttentionSm90.__call__ (q, k, v, out, lse, then Planner.kernel_args).
     return (rows3(), cache(), cache(), rows3(), lse, work, ivec(), ivec(), ivec(), ivec(), ivec(),
-            partial_o, partial_lse, merge, ivec(), ivec(), cutlass.Float32(1.0),
+            partial_o, partial_lse, merge, ivec(), ivec(), params,
             cutlass.Int32(16), cutlass.Int32(1), stream)
 
 
@@ -180,12 +189,14 @@ def shipped_variants(arch: str = "sm_90a"):
     """The variants `python -m podcute compile` builds ahead of time (and CI compiles).
 
     GQA groups 1 (MHA), 4, 7, 8 and 32 (MQA of 32 heads) cover the common models; any
-    other group compiles on first use.
+    other group compiles on first use. Page sizes 16 and 128 stand for the two page
+    classes (cp.async gather, TMA boxes).
     """
     return [
-        VariantKey.make(dtype, head_dim, group, causal, has_lse, tma_kv, arch=arch)
-        for tma_kv in (True, False)
-        for dtype in (torch.bfloat16, torch.float16)
+        VariantKey.make(KernelConfig.select(dtype, head_dim, group, causal, has_lse,
+                                            page_size, arch=arch))
+        for page_size in (128, 16)
+        for dtype in ("bfloat16", "float16")
         for head_dim in (64, 128)
         for group in (1, 4, 7, 8, 32)
         for causal in (True, False)
@@ -242,17 +253,13 @@ def _compile(key: VariantKey, keep_ptx: bool):
     import cutlass.cute as cute
 
     from podcute.kernels.pod_fwd_sm90 import PodAttentionSm90
-    dtype = _cutlass_dtype(key.dtype)
     pod_args = _fake_args(key)
     options = "--enable-tvm-ffi"
     if keep_ptx:  # kept in memory (__ptx__); the dump itself goes to a scratch folder
         scratch = Path(tempfile.gettempdir()) / "podcute-ptx"
         scratch.mkdir(exist_ok=True)
         options += f" --keep-ptx --dump-dir {scratch}"
-    pod = cute.compile(
-        PodAttentionSm90(dtype, key.head_dim, key.group, key.causal, key.has_lse, key.tma_kv),
-        *pod_args, options=options,
-    )
+    pod = cute.compile(PodAttentionSm90(key.config), *pod_args, options=options)
     return pod
 
 
@@ -282,9 +289,10 @@ def compile_all(arch: str, check: bool = False, out=None) -> int:
             if not all(counts.values()):
                 failures.append(key)
         bar = "#" * (30 * i // len(variants))
-        print(f"[{bar:<30}] {i}/{len(variants)} {key.dtype} d{key.head_dim} g{key.group} "
-              f"causal={key.causal} lse={key.has_lse} {time.perf_counter() - t0:.1f}s{note}",
-              file=out, flush=True)
+        c = key.config
+        print(f"[{bar:<30}] {i}/{len(variants)} {c.dtype} d{c.head_dim} g{c.group} "
+              f"causal={c.causal} lse={c.has_lse} tma_kv={c.tma_kv} "
+              f"{time.perf_counter() - t0:.1f}s{note}", file=out, flush=True)
     print(f"compiled {len(variants)} variants for {arch} in {time.perf_counter() - start:.1f}s"
           f"; {len(failures)} failed checks", file=out)
     return 1 if failures else 0

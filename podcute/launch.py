@@ -29,31 +29,32 @@ def require_sm90(device: torch.device) -> None:
         raise RuntimeError(unsupported_arch_message(problem))
 
 
+# (device, dtype, plan config object, causal, has_lse) -> (plan config, kernel). The plan
+# config object lives as long as its planner; holding it keeps its id() unique.
 _variants: dict = {}
 
 
-def _kernel(device, dtype, head_dim, group, causal, has_lse, tma_kv):
-    """The compiled kernel for these static facts: a dict hit after the first call."""
-    facts = (device, dtype, head_dim, group, causal, has_lse, tma_kv)
-    kernel = _variants.get(facts)
-    if kernel is None:
+def _kernel(device, dtype, plan_config, causal: bool, has_lse: bool):
+    """The compiled kernel for a plan's configuration: a dict hit after the first call."""
+    facts = (device, dtype, id(plan_config), causal, has_lse)
+    hit = _variants.get(facts)
+    if hit is None or hit[0] is not plan_config:
         require_sm90(device)
-        kernel = compile_variant(
-            VariantKey.make(dtype, head_dim, group, causal, has_lse, tma_kv))
-        _variants[facts] = kernel
-    return kernel
+        cfg = plan_config.kernel.with_flags(causal=causal, has_lse=has_lse)
+        hit = (plan_config, compile_variant(VariantKey.make(cfg)))
+        _variants[facts] = hit
+    return hit[1]
 
 
 def launch(plan, q, k_cache, v_cache, out, lse, kv_layout: str = "NHD"):
     """Run the fused POD kernel for `plan` (one launch; split-KV groups merge in-kernel).
 
-    `out` is [total_q, Hq, D] (q's dtype), `lse` is [total_q, Hq] float32 or None.
+    `out` is [T, Hq, D] (q's dtype), `lse` is [T, Hq] float32 or None. Every metadata
+    argument is a whole planner buffer (`plan.kernel_args`), the same for every plan, so
+    a captured launch replays with whatever plan() wrote last.
     Raises RuntimeError naming what is needed when no sm_90 GPU is available.
     """
-    cfg = plan.config
-    tma_kv = cfg.page_size % cfg.tile.tile_n == 0  # whole KV tiles per page: TMA boxes
-    pod = _kernel(q.device, q.dtype, cfg.head_dim, cfg.group_size, plan.causal,
-                  lse is not None, tma_kv)
+    pod = _kernel(q.device, q.dtype, plan.config, plan.causal, lse is not None)
     if kv_layout == "HND":
         # The kernel addresses (page, slot, head, dim); HND is that view with two strides
         # swapped (layouts.canonical_kv in torch terms), so both layouts share one variant.

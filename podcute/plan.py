@@ -5,30 +5,38 @@ Once per engine step (the kernel then runs once per layer with the same plan):
 1. normalise the page format (block table or CSR) and the KV lengths (``kv_lens`` or
    FlashInfer's ``last_page_len``) into host numpy arrays and validate the values;
 2. classify requests, with no label from the caller and in any order: *decode work* is a
-   request whose packed rows fit one row tile (``q_len * G <= tile_m``, so speculative
-   decoding with a few draft tokens is decode work too), anything longer is *prefill
-   work*, ``q_len == 0`` (padding) is no work;
-3. cut groups: prefill = (request, kv head, 64-row tile), decode = (request, kv head);
-   pre-split long KV ranges so each kind spreads over the whole grid (split-KV);
+   request whose packed rows fit one decode tile (``q_len * G <= tile_m_decode``, so
+   speculative decoding with a few draft tokens is decode work too), anything longer is
+   *prefill work*, ``q_len == 0`` (padding) is no work;
+3. cut groups: prefill = (request, kv head, ``tile_m_prefill``-row tile), decode =
+   (request, kv head); pre-split long KV ranges so each kind spreads over the whole grid
+   (split-KV);
 4. predict every piece's time with a roofline cost model (:class:`CostModel`), merge the
    two kinds into one stream by progress (so any stretch holds both, interleaved), and cut
    that stream into the CTA lists of a fixed persistent grid at equal-cost boundaries,
    splitting the piece under a boundary at a KV tile;
-5. write everything into preallocated buffers and send it with one host->device copy.
+5. write everything, the page list included, into plan-owned buffers and send it with
+   host->device copies on the current stream.
 
-The metadata format is specified in ``docs/design.md``. Buffers are allocated once from
-capacities (:func:`capacities`) and only grown, outside CUDA-graph capture, when a batch
-does not fit, so a captured kernel keeps valid pointers across re-plans.
+The tiling comes from the one :class:`~podcute.kernels.config.KernelConfig`, the metadata
+columns from :mod:`podcute.kernels.metadata` (format in ``docs/design.md``).
+
+CUDA graphs: every buffer the kernel touches (metadata, the page list copied from
+whatever block table or CSR indices plan() was given, the float parameters such as
+``sm_scale``, split partials, merge semaphores) is owned by the planner, allocated at
+capacity, at a fixed address, and passed to the kernel whole (:attr:`Planner.kernel_args`,
+the same tuple for every plan). A captured launch therefore replays correctly after any
+later plan() that fits the capacities. Buffers grow on demand only until the first capture
+(:meth:`Planner.freeze`); after it, a batch that does not fit raises
+:class:`CapacityError` in plan(), never at replay.
 
 Host/device traffic: index tensors on the CPU cost no GPU sync at all; index tensors on
-the GPU are gathered with one device->host copy (one sync). The metadata goes to the
-device with one non-blocking copy from a pinned staging buffer on the current stream
-(stream-ordered after any kernel that still reads the previous plan); the next plan()
-waits for that copy (an event) before it rewrites the staging buffer.
+the GPU are gathered with one device->host copy (one sync). The metadata and the page list
+go to the device with non-blocking copies from pinned staging buffers on the current
+stream (stream-ordered after any kernel that still reads the previous plan); the next
+plan() waits for those copies (an event) before it rewrites the staging buffers.
 
-Speed: everything is vectorised numpy with integer costs (femtoseconds); numpy method
-calls (``a.cumsum()``) rather than functions (``np.cumsum(a)``) where it matters, since
-most arrays are small and call overhead dominates.
+Costs are float64 microseconds, so no batch the capacities allow can overflow them.
 """
 
 from __future__ import annotations
@@ -40,19 +48,25 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from podcute.kernels.config import SUPPORTED_PAGE_SIZES, TileConfig
-
-# Columns of a work row and of a merge row (docs/design.md).
-WORK_REQ, WORK_KV_HEAD, WORK_ROW_START, WORK_ROW_END = 0, 1, 2, 3
-WORK_KV_START, WORK_KV_END, WORK_SPLIT_SLOT, WORK_KIND = 4, 5, 6, 7
-WORK_COLS = 8
-MERGE_REQ, MERGE_KV_HEAD, MERGE_ROW_START, MERGE_ROW_END = 0, 1, 2, 3
-MERGE_FIRST_SLOT, MERGE_NUM_SPLITS = 4, 5
-MERGE_COLS = 6
-KIND_PREFILL, KIND_DECODE = 0, 1
+from podcute.kernels.config import SUPPORTED_PAGE_SIZES, KernelConfig
+from podcute.kernels.metadata import (MERGE_COLS, NUM_PARAMS, WORK_COLS, Kind, MergeCol, Param,
+                                      WorkCol)
+from podcute.kernels.visibility import visible_end_host
 
 _ALIGN = 16  # int32 elements: metadata segments start on 64-byte boundaries
 _ROW = np.dtype((np.void, WORK_COLS * 4))  # a work row as one element: fast row gathers
+
+# Limits that keep every index the kernel computes inside int32 and the buffers sane.
+MAX_KV_LEN = 2**31 - 1 - 1024  # token positions (+ one KV tile) stay int32
+MAX_BATCH_SIZE = 2**20
+MAX_NUM_TOKENS = 2**23
+MAX_NUM_PAGES = 2**30  # page-list entries (page_start + page index stay int32)
+MAX_WORK_ITEMS = 2**31 // WORK_COLS // 2
+
+
+class CapacityError(ValueError):
+    """A batch does not fit the planner's buffers, which cannot grow: a CUDA graph holds
+    their addresses (after :meth:`Planner.freeze`), or the size is past a hard limit."""
 
 
 def _align(n: int) -> int:
@@ -60,7 +74,7 @@ def _align(n: int) -> int:
 
 
 def _rows(a: np.ndarray) -> np.ndarray:
-    """1-D view of an [n, 8] int32 array with one element per row."""
+    """1-D view of an [n, WORK_COLS] int32 array with one element per row."""
     return a.view(_ROW).reshape(-1)
 
 
@@ -77,33 +91,26 @@ def _ragged_arange(counts: np.ndarray, total: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class CostModel:
-    """Roofline time of one work piece on one CTA.
+    """Predicted time of one work piece on one CTA (one CTA per SM).
 
-    Rates are the H200 ceilings measured in DESIGN.md, divided over its 132 SMs. A piece
-    is costed as if its CTA had the SM's tensor cores (prefill) or the SM's share of HBM
-    (decode) to itself: every CTA list interleaves the kinds, so the SM's other CTA is
-    mostly using the other resource. ``PlanSummary.predicted_us`` then takes, per SM, the
-    largest of (both CTAs' prefill, both CTAs' decode, either CTA's whole list), which
-    stays honest when one kind dominates.
+    Rates are the H200 ceilings measured in DESIGN.md, divided over its 132 SMs:
 
-    - prefill piece: the FLOPs of a 64-row MMA over its KV tokens, 4 * D * tile_m per KV
-      token (over long prompts equal to the visible causal pairs, since every item stops at
-      its diagonal tile), at ``mma_efficiency`` of the SM's peak. 0.4 is calibrated on the
-      H200 run in perf/results/bench.md (F1, one causal 8192-token prefill: 1.76 ms fused
-      vs 0.71 ms roofline; the plan predicts 1.80 ms); one 64-row consumer warpgroup with
-      the softmax partly exposed stays well below FA3's ~75% with two 128-row warpgroups.
-      Raise it as the kernel improves;
+    - prefill piece: the FLOPs of a ``tile_m_prefill``-row MMA over its KV tokens,
+      4 * D * tile_m per KV token (over long prompts equal to the visible causal pairs,
+      since every item stops at its diagonal tile), at ``mma_efficiency`` of the SM's peak
+      (calibrated against a measured prefill run, docs/performance.md);
     - decode piece: the bytes it streams, K + V (2 * D * elem per KV token) plus Q in and
-      O out (2 * D * elem per packed row), at the SM's share of the copy bandwidth (same
-      run, D1, 256 decodes at 4096: 1.01 ms fused, the plan predicts 1.05 ms);
+      O out (2 * D * elem per packed row), at ``decode_sm_bandwidth`` times the SM's share
+      of the copy bandwidth (> 1 when fewer than all SMs stream at once, as in a mixed
+      batch; the global HBM bound is kept by PlanSummary.predicted_us);
     - plus a fixed cost per piece (pipeline fill and drain, epilogue, next-item fetch).
     """
 
     tensor_flops_per_s: float = 779e12  # H200 dense bf16 matmul, measured
     hbm_bytes_per_s: float = 4.22e12  # H200 device-to-device copy (read + write), measured
     ref_num_sms: int = 132  # the chip the two rates were measured on
-    mma_efficiency: float = 0.4
-    hbm_efficiency: float = 1.0  # the copy ceiling is already a measured, reachable rate
+    mma_efficiency: float = 0.6
+    decode_sm_bandwidth: float = 1.0
     prefill_item_overhead_us: float = 1.0
     decode_item_overhead_us: float = 2.0
     # A split piece carries at least this much variable work (2x the decode overhead), so
@@ -118,7 +125,7 @@ class CostModel:
         return self.tensor_flops_per_s / self.ref_num_sms * self.mma_efficiency * 1e-6
 
     def hbm_bytes_per_us(self) -> float:
-        return self.hbm_bytes_per_s / self.ref_num_sms * self.hbm_efficiency * 1e-6
+        return self.hbm_bytes_per_s / self.ref_num_sms * self.decode_sm_bandwidth * 1e-6
 
 
 DEFAULT_COST_MODEL = CostModel()
@@ -142,7 +149,7 @@ class PlanSummary:
     num_merges: int
     predicted_prefill_us: float  # max over CTAs of its prefill time
     predicted_decode_us: float  # max over CTAs of its decode time
-    predicted_us: float  # max over SMs (CTA pairs): see CostModel
+    predicted_us: float  # max over SMs, and at least the batch's HBM time: see CostModel
     balance: float  # max / mean predicted time per CTA (1.0 = perfect)
     grid: int = 0
 
@@ -166,30 +173,29 @@ class PlanConfig:
     group_size: int  # G = Hq // Hkv: query heads per KV head, packed into rows
     head_dim: int
     page_size: int
-    tile: TileConfig
+    kernel: KernelConfig  # tiling (and default flags) of the kernel this plan is cut for
 
 
 @dataclass(eq=False)
 class Plan:
     """Metadata of one batch. The device tensors are views of the planner's buffers:
-    valid until the planner's next plan(), which rewrites them in place (stream-ordered)."""
+    valid until the planner's next plan(), which rewrites them in place (stream-ordered).
+    The kernel never reads these views: it gets the whole buffers (`kernel_args`)."""
 
     config: PlanConfig
     causal: bool
     sm_scale: float
-    # --- device int32 metadata (docs/design.md) ---
-    work: torch.Tensor  # [num_items, 8], rows grouped by CTA
+    # --- device views of this plan's metadata (docs/design.md) ---
+    work: torch.Tensor  # [num_items, WORK_COLS], rows grouped by CTA
     cta_ptr: torch.Tensor  # [grid + 1]: CTA c runs work[cta_ptr[c]:cta_ptr[c+1]]
-    merge: torch.Tensor  # [num_merge, 6]
+    merge: torch.Tensor  # [num_merge, MERGE_COLS]
     slot_merge: torch.Tensor  # [num_slots]: merge row of each split slot
     merge_sem: torch.Tensor  # [cap_merges] zeros; the kernel's merging CTA resets its entry
     q_start: torch.Tensor  # [B + 1] (cu_seqlens_q)
     kv_len: torch.Tensor  # [B]
     page_start: torch.Tensor  # [B]: offset of request b's first page in page_list
-    page_list: torch.Tensor  # flat int32 page indices (caller's block table / kv_indices)
-    # --- device fp32 split-KV workspaces ---
-    partial_o: torch.Tensor  # [cap_slots, tile_m, D]
-    partial_lse: torch.Tensor  # [cap_slots, tile_m]
+    page_list: torch.Tensor  # [num_page_entries]: the plan-owned copy of the pages
+    params: torch.Tensor  # float32 [NUM_PARAMS] (metadata.Param): sm_scale, ...
     # --- host facts ---
     total_q: int
     batch_size: int
@@ -202,20 +208,14 @@ class Plan:
     max_page_index: int
     buffer_epoch: int  # planner buffer generation: changes only when buffers are regrown
     summary: PlanSummary
+    kernel_args: tuple = field(repr=False)  # the planner's whole buffers, kernel order
     # host arrays owned by this plan
     q_lens: np.ndarray = field(repr=False)
     kv_lens: np.ndarray = field(repr=False)
     needed_pages: np.ndarray = field(repr=False)  # pages read: ceil(kv_len / page); 0 if q_len 0
-    item_cost_fs: np.ndarray = field(repr=False)  # predicted time of each work row (fs)
+    item_cost_us: np.ndarray = field(repr=False)  # predicted time of each work row
     cta_cost_us: np.ndarray = field(repr=False)  # predicted time of each CTA list
     _pages: "_PageSet" = field(repr=False, default=None)
-
-    @functools.cached_property
-    def kernel_args(self) -> tuple:
-        """Metadata arguments of the fused kernel, in its order (built once per plan)."""
-        return (self.work, self.cta_ptr, self.q_start, self.kv_len, self.page_start,
-                self.page_list, self.partial_o, self.partial_lse, self.merge, self.slot_merge,
-                self.merge_sem, float(self.sm_scale), self.config.page_size, self.grid)
 
     def pages_within(self, num_pages: int) -> bool:
         """True if plan()'s bound already shows every page read is < num_pages (O(1))."""
@@ -242,15 +242,17 @@ class Plan:
 class Capacities:
     batch: int
     tokens: int
+    pages: int  # page-list entries (see Planner: block table B x max pages read, or CSR nnz)
     items: int
     merges: int
     slots: int
 
 
-def capacities(max_batch_size, max_num_tokens, num_qo_heads, num_kv_heads, tile_m, grid,
-               chunks_per_cta=DEFAULT_COST_MODEL.chunks_per_cta) -> Capacities:
-    """Buffer sizes that hold any batch with <= max_batch_size requests and
-    <= max_num_tokens query tokens (s = chunks_per_cta, g = grid):
+def capacities(max_batch_size, max_num_tokens, max_num_pages, num_qo_heads, num_kv_heads,
+               tile_m, grid, chunks_per_cta=DEFAULT_COST_MODEL.chunks_per_cta) -> Capacities:
+    """Buffer sizes that hold any batch with <= max_batch_size requests,
+    <= max_num_tokens query tokens and <= max_num_pages page-list entries
+    (s = chunks_per_cta, g = grid, tile_m = the smallest row tile):
 
     - groups: a request of q_len tokens has ceil(q_len*G / tile_m) <= q_len*G/tile_m + 1
       row tiles per KV head, so groups <= Hkv * (ceil(T*G / tile_m) + B);
@@ -260,13 +262,12 @@ def capacities(max_batch_size, max_num_tokens, num_qo_heads, num_kv_heads, tile_
     - the CTA cut splits at most one piece per boundary: <= g - 1 more pieces and merges;
     - slots: a split group of n >= 2 pieces uses n <= 2 (n - 1) slots.
     So items <= groups + (2s + 1) g, merges <= (2s + 1) g, slots <= (4s + 2) g.
-    (H200, s = 1: 1584 slots = 52 MB of fp32 partial O at D = 128.)
     """
     G = num_qo_heads // num_kv_heads
     pre = 2 * chunks_per_cta * grid
     groups = num_kv_heads * (-(-max_num_tokens * G // tile_m) + max_batch_size)
-    return Capacities(max_batch_size, max_num_tokens, groups + pre + grid, pre + grid,
-                      2 * pre + 2 * grid)
+    return Capacities(max_batch_size, max_num_tokens, max_num_pages, groups + pre + grid,
+                      pre + grid, 2 * pre + 2 * grid)
 
 
 # --------------------------------------------------------------------------------------
@@ -358,93 +359,116 @@ class _PageSet:
 
 
 class Planner:
-    """Owns the metadata buffers of one attention configuration and fills them per batch.
+    """Owns the buffers of one attention configuration and fills them per batch.
 
-    ``grid = num_sms * ctas_per_sm`` is fixed per planner. With ``pairing="wave"``
-    (default: the kernel takes list ``blockIdx.x``, and a full grid of two resident CTAs
-    per SM fills the SMs wave by wave) lists ``s`` and ``s + num_sms`` share an SM and
-    lists below num_sms start with prefill, the others with decode. ``pairing="adjacent"``
-    is for a kernel that maps lists to SMs through %smid and a per-SM counter: lists
-    ``2s`` and ``2s+1`` share SM ``s``. The pairing only changes which lists start with
-    which kind and ``PlanSummary.predicted_us``.
+    ``grid = num_sms * kernel.ctas_per_sm`` is fixed per planner (lists ``s``,
+    ``s + num_sms``, ... share SM ``s`` in a blockIdx launch). Within an SM, and between
+    neighbouring SMs when an SM runs one CTA, lists alternate the kind they start with, so
+    at any moment both kinds run across the chip.
+
+    Capacities: ``max_batch_size`` requests, ``max_num_tokens`` query tokens and
+    ``max_num_pages`` page-list entries (a block table costs B x the most pages any of its
+    requests reads, CSR its ``kv_indices`` in use; default 2**20 entries, 4 MiB).
     """
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  device="cuda", max_batch_size: int = 256, max_num_tokens: int = 16384,
-                 num_sms: int | None = None, ctas_per_sm: int = 2,
-                 cost_model: CostModel = DEFAULT_COST_MODEL, pairing: str = "wave"):
+                 max_num_pages: int | None = None, num_sms: int | None = None,
+                 cost_model: CostModel = DEFAULT_COST_MODEL, dtype: str = "bfloat16"):
+        if max_num_pages is None:
+            max_num_pages = 1 << 20
         for name, v in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
                         ("max_batch_size", max_batch_size), ("max_num_tokens", max_num_tokens),
-                        ("ctas_per_sm", ctas_per_sm)):
-            if not isinstance(v, (int, np.integer)) or v < 1:
+                        ("max_num_pages", max_num_pages)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of "
                              f"num_kv_heads ({num_kv_heads})")
         if page_size not in SUPPORTED_PAGE_SIZES:
             raise ValueError(f"page_size must be one of {SUPPORTED_PAGE_SIZES}, got {page_size}")
-        tile = TileConfig.for_head_dim(head_dim)  # raises ValueError naming head_dim
-        if pairing not in ("adjacent", "wave"):
-            raise ValueError(f"pairing must be 'adjacent' or 'wave', got {pairing!r}")
-        self.pairing = pairing
+        G = num_qo_heads // num_kv_heads
+        kernel = KernelConfig.select(dtype, head_dim, G, page_size=page_size)  # names head_dim
         self.device = torch.device(device)
         if num_sms is None:
             num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                        if self.device.type == "cuda" else 132)  # H200 on a host-only planner
-        self.config = PlanConfig(num_qo_heads, num_kv_heads, num_qo_heads // num_kv_heads,
-                                 head_dim, page_size, tile)
+        self.config = PlanConfig(num_qo_heads, num_kv_heads, G, head_dim, page_size, kernel)
         self.cost = cost_model
-        self.num_sms, self.ctas_per_sm = int(num_sms), int(ctas_per_sm)
-        self.grid = self.num_sms * self.ctas_per_sm
+        self.num_sms = int(num_sms)
+        self.grid = self.num_sms * kernel.ctas_per_sm
         self.buffer_epoch = 0
+        self.frozen = False
         self._on_cuda = self.device.type == "cuda"
-        self._copy_done = None  # CUDA event: the staging buffer may be rewritten after it
-        self._page_buf = None  # device copy of a host-side page table (grown on demand)
-        self._allocate(max_batch_size, max_num_tokens)
+        self._copy_done = None  # CUDA event: the staging buffers may be rewritten after it
+        self._check_limits(max_batch_size, max_num_tokens, max_num_pages)
+        self._allocate(max_batch_size, max_num_tokens, max_num_pages)
 
-        # Unit costs in integer femtoseconds: prefill per KV token of a 64-row item,
+        # Unit costs in microseconds: prefill per KV token of a tile_m_prefill-row item,
         # decode per KV token (K + V) and per packed row (Q + O), per-piece overheads.
-        c, D, tm, tn = cost_model, head_dim, tile.tile_m, tile.tile_n
-        us_tile = 4.0 * D * tm * tn / c.mma_flops_per_us()  # one tile_m x tile_n MMA step
+        c, D, tn = cost_model, head_dim, kernel.tile_n
+        us_tile = 4.0 * D * kernel.tile_m_prefill * tn / c.mma_flops_per_us()
         us_tok = 2.0 * D * c.elem_bytes / c.hbm_bytes_per_us()
         us_row = 2.0 * D * c.elem_bytes / c.hbm_bytes_per_us()
-        self._fs = tuple(int(round(x * 1e9)) for x in (
-            us_tile / tn, us_tok, us_row, c.prefill_item_overhead_us, c.decode_item_overhead_us))
+        self._us = (us_tile / tn, us_tok, us_row, c.prefill_item_overhead_us,
+                    c.decode_item_overhead_us)
         # Smallest KV split piece, in tiles, per kind: >= min_chunk_us of work.
         self._min_tiles = (max(1, math.ceil(c.min_chunk_us / us_tile)),
                            max(1, math.ceil(c.min_chunk_us / (us_tok * tn))))
         self._mt = np.array(self._min_tiles, dtype=np.int64)
         self._bounds_unit = np.arange(1, self.grid, dtype=np.float64) / self.grid
-        # Which CTA lists share an SM, and each list's slot on it (slot 0 starts with
-        # prefill, slot 1 with decode, ...): "adjacent" = lists k*s .. k*s+k-1 on SM s (a
-        # kernel that maps lists to SMs through %smid); "wave" = lists s, s + num_sms, ...
-        # on SM s (a plain blockIdx launch, where the hardware gives every SM one CTA
-        # before any gets a second).
+        # Which kind each list starts with: its slot on the SM (lists s, s + num_sms, ...
+        # share SM s), or, with one CTA per SM, its SM's parity.
         lists = np.arange(self.grid)
-        slot = lists % self.ctas_per_sm if pairing == "adjacent" else lists // self.num_sms
+        slot = lists // self.num_sms if kernel.ctas_per_sm > 1 else lists
         self._odd = (slot & 1).astype(bool)
 
     # ---- buffers ------------------------------------------------------------------------
 
-    def _allocate(self, max_batch_size: int, max_num_tokens: int) -> None:
+    def _check_limits(self, batch: int, tokens: int, pages: int) -> None:
+        """CapacityError naming the argument when a capacity is past what the kernel's
+        int32 indices (or a sane allocation) allow."""
+        cfg = self.config
+        for name, v, limit in (("max_batch_size (requests in a batch)", batch, MAX_BATCH_SIZE),
+                               ("max_num_tokens (query tokens in a batch)", tokens, MAX_NUM_TOKENS),
+                               ("max_num_pages (page-list entries of a batch)", pages,
+                                MAX_NUM_PAGES)):
+            if v > limit:
+                raise CapacityError(f"{name} = {v} exceeds podcute's limit of {limit}")
+        cap = capacities(batch, tokens, pages, cfg.num_qo_heads, cfg.num_kv_heads,
+                         cfg.kernel.tile_m_decode, self.grid, self.cost.chunks_per_cta)
+        if cap.items > MAX_WORK_ITEMS or tokens * cfg.group_size >= 2**31:
+            raise CapacityError(
+                f"max_num_tokens = {tokens} x num_qo_heads = {cfg.num_qo_heads} needs {cap.items} "
+                f"work items, more than podcute's limit of {MAX_WORK_ITEMS}")
+
+    def _allocate(self, max_batch_size: int, max_num_tokens: int, max_num_pages: int) -> None:
         cfg, grid = self.config, self.grid
-        cap = capacities(max_batch_size, max_num_tokens, cfg.num_qo_heads, cfg.num_kv_heads,
-                         cfg.tile.tile_m, grid, self.cost.chunks_per_cta)
-        # One int32 buffer with fixed segment offsets -> one H2D copy of a prefix per plan.
+        cap = capacities(max_batch_size, max_num_tokens, max_num_pages, cfg.num_qo_heads,
+                         cfg.num_kv_heads, cfg.kernel.tile_m_decode, grid,
+                         self.cost.chunks_per_cta)
+        # One int32 buffer with fixed segment offsets -> one H2D copy of a prefix per plan;
+        # the page list is a second buffer (its own capacity), sent with a second copy.
         segs, off = {}, 0
-        for name, n in (("cta_ptr", grid + 1), ("q_start", cap.batch + 1), ("kv_len", cap.batch),
+        for name, n in (("params", NUM_PARAMS), ("cta_ptr", grid + 1),
+                        ("q_start", cap.batch + 1), ("kv_len", cap.batch),
                         ("page_start", cap.batch), ("merge", cap.merges * MERGE_COLS),
                         ("slot_merge", cap.slots), ("work", cap.items * WORK_COLS)):
             segs[name] = (off, n)
             off += _align(n)
         dev = self.device
         self._meta = torch.zeros(off, dtype=torch.int32, device=dev)
-        self._staging_t = (torch.zeros(off, dtype=torch.int32, pin_memory=True) if self._on_cuda
-                           else self._meta)  # a host planner writes in place
+        self._page_list = torch.zeros(cap.pages, dtype=torch.int32, device=dev)
+        if self._on_cuda:
+            self._staging_t = torch.zeros(off, dtype=torch.int32, pin_memory=True)
+            self._page_staging_t = torch.zeros(cap.pages, dtype=torch.int32, pin_memory=True)
+        else:  # a host planner writes in place
+            self._staging_t, self._page_staging_t = self._meta, self._page_list
         self._staging = self._staging_t.numpy()
+        self._page_staging = self._page_staging_t.numpy()
         self._segs = segs
         self._merge_sem = torch.zeros(cap.merges, dtype=torch.int32, device=dev)
-        D, tm = cfg.head_dim, cfg.tile.tile_m
+        D, tm = cfg.head_dim, cfg.kernel.partial_rows
         self._partial_o = torch.empty(cap.slots, tm, D, dtype=torch.float32, device=dev)
         self._partial_lse = torch.empty(cap.slots, tm, dtype=torch.float32, device=dev)
         self.capacity = cap
@@ -454,26 +478,57 @@ class Planner:
         self._h = {k: self._staging[o: o + n] for k, (o, n) in segs.items()}
         self._d["merge"] = self._d["merge"].view(cap.merges, MERGE_COLS)
         self._d["work"] = self._d["work"].view(cap.items, WORK_COLS)
+        self._d["params"] = self._d["params"].view(torch.float32)
         self._h["merge"] = self._h["merge"].reshape(cap.merges, MERGE_COLS)
         self._h["work"] = self._h["work"].reshape(cap.items, WORK_COLS)
+        self._h["params"] = self._h["params"].view(np.float32)
+        d = self._d
+        # The kernel's metadata arguments: whole buffers, the same tuple for every plan of
+        # this buffer epoch (so a CUDA graph that captured them stays valid).
+        self.kernel_args = (d["work"], d["cta_ptr"], d["q_start"], d["kv_len"],
+                            d["page_start"], self._page_list, self._partial_o,
+                            self._partial_lse, d["merge"], d["slot_merge"], self._merge_sem,
+                            d["params"], cfg.page_size, grid)
 
-    def _ensure_capacity(self, batch: int, tokens: int) -> None:
+    def freeze(self) -> None:
+        """Fix the buffers where they are: a CUDA graph has captured their addresses. From
+        now on a batch that does not fit raises CapacityError instead of regrowing."""
+        self.frozen = True
+
+    def _ensure_capacity(self, batch: int, tokens: int, pages: int) -> None:
         cap = self.capacity
-        if batch <= cap.batch and tokens <= cap.tokens:
+        if batch <= cap.batch and tokens <= cap.tokens and pages <= cap.pages:
             return
-        if self._on_cuda and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                f"podcute plan: the batch ({batch} requests, {tokens} query tokens) exceeds the "
-                f"planner's capacity ({cap.batch} requests, {cap.tokens} tokens) during CUDA "
-                "graph capture, when the buffers cannot move. Construct with larger "
-                "max_batch_size / max_num_tokens, or plan the largest batch before capture.")
+        capturing = self._on_cuda and torch.cuda.is_current_stream_capturing()
+        if self.frozen or capturing:
+            over = [f"{what} {n} > {c} ({arg})" for what, n, c, arg in (
+                ("requests", batch, cap.batch, "max_batch_size"),
+                ("query tokens", tokens, cap.tokens, "max_num_tokens"),
+                ("page-list entries", pages, cap.pages, "max_num_pages")) if n > c]
+            why = "a CUDA graph has captured" if self.frozen else "CUDA graph capture holds"
+            raise CapacityError(
+                f"podcute plan: the batch exceeds the planner's capacity ({'; '.join(over)}) "
+                f"and the buffers cannot grow: {why} their addresses. Construct PODAttention "
+                "with larger capacities (the named arguments), or plan the largest batch "
+                "before capturing.")
         self._sync_staging()
-        self._allocate(max(batch, cap.batch if batch <= cap.batch else 2 * cap.batch),
-                       max(tokens, cap.tokens if tokens <= cap.tokens else 2 * cap.tokens))
+        self._check_limits(batch, tokens, pages)  # the batch itself within the hard limits
+
+        def grow(n, c, limit):  # double, but never past the limit
+            return c if n <= c else max(n, min(2 * c, limit))
+
+        grown = (grow(batch, cap.batch, MAX_BATCH_SIZE), grow(tokens, cap.tokens, MAX_NUM_TOKENS),
+                 grow(pages, cap.pages, MAX_NUM_PAGES))
+        try:
+            self._check_limits(*grown)
+        except CapacityError:  # doubling would pass a limit the batch itself respects
+            grown = (max(batch, cap.batch), max(tokens, cap.tokens), max(pages, cap.pages))
+        batch, tokens, pages = grown
+        self._allocate(batch, tokens, pages)
 
     def _sync_staging(self) -> None:
         if self._copy_done is not None:
-            self._copy_done.synchronize()  # the previous plan's H2D copy has read staging
+            self._copy_done.synchronize()  # the previous plan's H2D copies have read staging
 
     # ---- plan ---------------------------------------------------------------------------
 
@@ -550,6 +605,10 @@ class Planner:
                 raise ValueError(f"last_page_len[{b}]={int(lpl[b])} must be in [1, page_size="
                                  f"{ps}] for a request with pages")
             kvl = ((page_count - 1) * ps + lpl) * nonempty
+        if B and kvl.max() > MAX_KV_LEN:
+            b = int(kvl.argmax())
+            raise ValueError(f"{kv_src}[{b}] gives kv_len={int(kvl[b])}, past podcute's limit of "
+                             f"{MAX_KV_LEN} KV tokens per request (int32 positions)")
 
         if causal and B:
             bad = q_len > kvl
@@ -581,52 +640,32 @@ class Planner:
                 raise ValueError(f"{name} holds a negative page index ({lo}) among the pages "
                                  f"request {b} reads")
         sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(cfg.head_dim)
+        with np.errstate(over="ignore"):
+            f32 = np.float32(sm_scale)
+        if not (np.isfinite(f32) and f32 > 0):
+            raise ValueError(f"sm_scale must be a positive float32 (the kernel's type), got "
+                             f"{sm_scale}")
 
-        self._ensure_capacity(B, total_q)
+        # The page list the kernel reads is a plan-owned copy: a block table's first
+        # max(used) columns of every row, or the CSR indices in use.
+        if page_count is None:
+            width = int(used.max()) if B else 0
+            page_src, num_entries = ("table", bt, width), B * width
+        else:
+            page_src, num_entries = ("csr", indices, indptr), int(indptr[-1] - indptr[0])
+        self._ensure_capacity(B, total_q, num_entries)
         return self._build(cu, q_len, kvl, used, causal, sm_scale, total_q, max_page_index,
-                           pages, block_table if page_count is None else None,
-                           None if page_count is None else (kv_indices, indptr))
+                           pages, page_src, num_entries)
 
-    def _page_list(self, block_table, csr, B):
-        """Device flat page list + per-request offsets into it (host)."""
-        dev = self.device
-        if block_table is not None:
-            src = block_table
-            if isinstance(src, torch.Tensor) and src.device == dev and src.dtype == torch.int32:
-                if src.dim() == 2 and src.shape[1] > 1 and src.stride(1) != 1:
-                    src = src.contiguous()  # rare: the API refuses it; breaks graph pointers
-                s0 = src.stride(0)
-                n = (B - 1) * s0 + src.shape[1] if B and src.shape[1] else 0
-                return src.as_strided((n,), (1,)), np.arange(B, dtype=np.int64) * s0
-            host = np.ascontiguousarray(
-                src.cpu().numpy() if isinstance(src, torch.Tensor) else np.asarray(src),
-                dtype=np.int32)
-            return (self._upload_pages(host.reshape(-1)),
-                    np.arange(B, dtype=np.int64) * host.shape[1])
-        kv_indices, indptr = csr
-        if (isinstance(kv_indices, torch.Tensor) and kv_indices.device == dev
-                and kv_indices.dtype == torch.int32):
-            return kv_indices.reshape(-1), indptr[:-1]
-        host = np.ascontiguousarray(
-            kv_indices.cpu().numpy() if isinstance(kv_indices, torch.Tensor)
-            else np.asarray(kv_indices), dtype=np.int32).reshape(-1)
-        return self._upload_pages(host), indptr[:-1]
-
-    def _upload_pages(self, host: np.ndarray) -> torch.Tensor:
-        """A host page table for a GPU planner goes to a planner-owned device buffer."""
-        t = torch.from_numpy(host)
-        if not self._on_cuda:
-            return t
-        if self._page_buf is None or self._page_buf.numel() < t.numel():
-            if torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("podcute plan: the host page table outgrew its device "
-                                   "buffer during CUDA graph capture; pass the page table "
-                                   "on the device, or plan a larger batch before capture")
-            self._page_buf = torch.empty(max(t.numel(), 1 << 16), dtype=torch.int32,
-                                         device=self.device)
-        buf = self._page_buf[: t.numel()]
-        buf.copy_(t)  # pageable source: synchronous with the host
-        return buf
+    def _write_pages(self, page_src, num_entries: int, B: int) -> np.ndarray:
+        """Copy the pages into the plan-owned staging list; return each request's offset."""
+        fmt, pages, arg = page_src
+        if fmt == "table":  # arg: columns copied (the most pages a request reads)
+            if num_entries:
+                self._page_staging[:num_entries].reshape(B, arg)[:] = pages[:, :arg]
+            return np.arange(B, dtype=np.int64) * arg
+        self._page_staging[:num_entries] = pages[arg[0]: arg[-1]]  # arg: kv_indptr
+        return arg[:-1] - arg[0]
 
     # ---- work ---------------------------------------------------------------------------
 
@@ -635,10 +674,10 @@ class Planner:
         >= max(L / s, min_chunk) (L = these groups' work per CTA, s = chunks_per_cta) and
         >= min_tiles tiles. Returns (group, index in group, kv start, kv end, pieces per
         group), or None when nothing splits."""
-        tn = self.config.tile.tile_n
-        load = (int(e.sum()) * rate + int(fixed.sum())) / self.grid
-        c_k = max(load / self.cost.chunks_per_cta, self.cost.min_chunk_us * 1e9)
-        if int(e.max()) * rate <= c_k:
+        tn = self.config.kernel.tile_n
+        load = (float(e.sum()) * rate + float(fixed.sum())) / self.grid
+        c_k = max(load / self.cost.chunks_per_cta, self.cost.min_chunk_us)
+        if float(e.max()) * rate <= c_k:
             return None
         t = (e + (tn - 1)) // tn
         nch = np.minimum(np.ceil(e * (rate / c_k)).astype(np.int64), t // min_tiles)
@@ -654,23 +693,23 @@ class Planner:
         return src, j, s, np.minimum(s + step, e[src]), nch
 
     def _build(self, cu, q_len, kvl, used, causal, sm_scale, total_q, max_page_index, pages,
-               block_table, csr) -> Plan:
-        cfg, grid = self.config, self.grid
-        tm, tn = cfg.tile.tile_m, cfg.tile.tile_n
+               page_src, num_entries) -> Plan:
+        cfg, kcfg, grid = self.config, self.config.kernel, self.grid
+        tm_p, tm_d, tn = kcfg.tile_m_prefill, kcfg.tile_m_decode, kcfg.tile_n
         G, Hkv = cfg.group_size, cfg.num_kv_heads
         B = q_len.size
-        r_p, r_d, r_row, o_p, o_d = self._fs  # integer femtoseconds
+        r_p, r_d, r_row, o_p, o_d = self._us
 
         rows = q_len * G
-        is_dec = (rows > 0) & (rows <= tm)
-        preq = (rows > tm).nonzero()[0]
+        is_dec = (rows > 0) & (rows <= tm_d)
+        preq = (rows > tm_d).nonzero()[0]
         dreq = is_dec.nonzero()[0]
 
         # ---- groups: work items before KV splitting ---------------------------------------
-        # prefill (request, kv head, 64-row tile), then decode (request, kv head); each in
+        # prefill (request, kv head, tm_p-row tile), then decode (request, kv head); each in
         # (request, head, tile) order. tmpl holds each group's work row.
         if preq.size:
-            n_rt = (rows[preq] + (tm - 1)) // tm
+            n_rt = (rows[preq] + (tm_p - 1)) // tm_p
             cnt = n_rt * Hkv
             n0p = int(cnt.sum())
         else:
@@ -684,28 +723,27 @@ class Planner:
             local = _ragged_arange(cnt, n0p)
             nr = n_rt[rep]
             head = local // nr
-            row_start = (local - head * nr) * tm
+            row_start = (local - head * nr) * tm_p
             req = preq[rep]
-            row_end = np.minimum(row_start + tm, rows[req])
-            e = kvl[req]
-            if causal:  # keys no row of the item sees are never loaded
-                e = np.minimum(e, e - q_len[req] + (row_end - 1) // G + 1)
+            row_end = np.minimum(row_start + tm_p, rows[req])
+            # keys no row of the item sees are never loaded
+            e = visible_end_host(kvl[req], q_len[req], row_end, G, causal)
             t = tmpl[:n0p]
-            t[:, WORK_REQ] = req
-            t[:, WORK_KV_HEAD] = head
-            t[:, WORK_ROW_START] = row_start
-            t[:, WORK_ROW_END] = row_end
-            t[:, WORK_KIND] = KIND_PREFILL
-            kinds.append((KIND_PREFILL, 0, e, np.full(n0p, o_p, dtype=np.int64), r_p))
+            t[:, WorkCol.REQ] = req
+            t[:, WorkCol.KV_HEAD] = head
+            t[:, WorkCol.ROW_START] = row_start
+            t[:, WorkCol.ROW_END] = row_end
+            t[:, WorkCol.KIND] = Kind.PREFILL
+            kinds.append((Kind.PREFILL, 0, e, np.full(n0p, o_p), r_p))
         if n0d:
             t = tmpl[n0p:].reshape(dreq.size, Hkv, WORK_COLS)
-            t[:, :, WORK_REQ] = dreq[:, None]
-            t[:, :, WORK_KV_HEAD] = np.arange(Hkv)
-            t[:, :, WORK_ROW_START] = 0
-            t[:, :, WORK_ROW_END] = rows[dreq][:, None]
-            t[:, :, WORK_KIND] = KIND_DECODE
+            t[:, :, WorkCol.REQ] = dreq[:, None]
+            t[:, :, WorkCol.KV_HEAD] = np.arange(Hkv)
+            t[:, :, WorkCol.ROW_START] = 0
+            t[:, :, WorkCol.ROW_END] = rows[dreq][:, None]
+            t[:, :, WorkCol.KIND] = Kind.DECODE
             # the causal clip is a no-op for an item holding all rows of its request
-            kinds.append((KIND_DECODE, n0p, kvl[dreq].repeat(Hkv),
+            kinds.append((Kind.DECODE, n0p, kvl[dreq].repeat(Hkv),
                           (rows[dreq] * r_row + o_d).repeat(Hkv), r_d))
 
         # ---- pieces of each kind: groups pre-split to <= the kind's work per CTA -----------
@@ -731,7 +769,8 @@ class Planner:
         elif cols:
             g1, j1, s1, e1, f1, c1 = cols[0]
         else:
-            g1 = j1 = s1 = e1 = f1 = c1 = np.zeros(0, dtype=np.int64)
+            g1 = j1 = s1 = e1 = np.zeros(0, dtype=np.int64)
+            f1 = c1 = np.zeros(0)
         n1 = c1.size
 
         # ---- one stream, cut into the CTA lists ------------------------------------------
@@ -754,7 +793,7 @@ class Planner:
             order, c = None, c1
         end = c.cumsum()
         start = end - c
-        bounds = self._bounds_unit * float(end[-1]) if n1 else self._bounds_unit * 0.0
+        bounds = self._bounds_unit * (float(end[-1]) if n1 else 0.0)
 
         m = 0
         if n1:
@@ -764,7 +803,7 @@ class Planner:
             s_i, e_i = s1[ch], e1[ch]
             span_t = (e_i - s_i + (tn - 1)) // tn
             mt = self._mt[(ch >= n1p).view(np.int8)] if both else \
-                self._mt[KIND_PREFILL if n0p else KIND_DECODE]
+                self._mt[Kind.PREFILL if n0p else Kind.DECODE]
             k = np.rint((bounds[: i.size] - start[i]) / c[i] * span_t).astype(np.int64)
             # Boundaries closer than min_tiles under one piece (per-CTA load below
             # min_chunk): snap that piece's cuts to multiples of min_tiles and drop repeats,
@@ -791,7 +830,7 @@ class Planner:
             src = np.arange(n1).repeat(npc)  # stream position of each part
             cut_pos = ci + np.arange(1, m + 1)  # the part that starts at each cut
             cut_kv = np.minimum(s_i[ok] + ck * tn, e_i[ok])
-            cut_u = start[ci] + c[ci] * ck // cspan  # the cut in stream cost coordinates
+            cut_u = start[ci] + c[ci] * ck / cspan  # the cut in stream cost coordinates
             chunk = order[src] if both else src
         else:
             chunk = order  # None: identity
@@ -810,16 +849,16 @@ class Planner:
             u_lo, u_hi = start[src], end[src]
             u_lo[cut_pos] = cut_u
             u_hi[cut_pos - 1] = cut_u
-            mid = (u_lo + u_hi) >> 1
+            mid = 0.5 * (u_lo + u_hi)
         else:
-            mid = end - (c >> 1)
+            mid = end - 0.5 * c
 
         # ---- CTA lists: part midpoints (stream coordinates) against the boundaries -------
         ptr = np.empty(grid + 1, dtype=np.int64)
         ptr[0] = 0
         ptr[1:grid] = mid.searchsorted(bounds, "left")
         ptr[grid] = n
-        cum = np.zeros(n + 1, dtype=np.int64)
+        cum = np.zeros(n + 1)
         pc.cumsum(out=cum[1:])
         cta_load = cum[ptr[1:]] - cum[ptr[:-1]]
         if both:
@@ -877,12 +916,12 @@ class Planner:
         hs = self._h
         wk = hs["work"][:n]
         np.take(_rows(tmpl), g, out=_rows(wk))
-        wk[:, WORK_KV_START] = kv_s
-        wk[:, WORK_KV_END] = kv_e
-        wk[:, WORK_SPLIT_SLOT] = slot if num_slots else -1
+        wk[:, WorkCol.KV_START] = kv_s
+        wk[:, WorkCol.KV_END] = kv_e
+        wk[:, WorkCol.SPLIT_SLOT] = slot if num_slots else -1
         item_cost = pc
         if both:
-            # Even CTAs start with prefill, odd ones with decode (when they hold both): swap
+            # Even lists start with prefill, odd ones with decode (when they hold both): swap
             # the first row with the first one of the wanted kind (all rows between are of
             # the other kind, so only that row moves within its kind's order).
             a, b = ptr[:-1], ptr[1:]
@@ -896,35 +935,37 @@ class Planner:
                 rv[fa], rv[ff] = rv[ff], rv[fa].copy()
                 item_cost = pc.copy()
                 item_cost[fa], item_cost[ff] = pc[ff], pc[fa]
+        hs["params"][Param.SM_SCALE] = sm_scale
         hs["cta_ptr"][:] = ptr
         hs["q_start"][: B + 1] = cu
         hs["kv_len"][:B] = kvl
-        page_list, page_start = self._page_list(block_table, csr, B)
-        hs["page_start"][:B] = page_start
+        hs["page_start"][:B] = self._write_pages(page_src, num_entries, B)
         if num_merge:
             mr = hs["merge"][:num_merge]
-            mr[:, :4] = tmpl[m_rows, :4]
-            mr[:, MERGE_FIRST_SLOT] = m_first
-            mr[:, MERGE_NUM_SPLITS] = m_count
+            mr[:, MergeCol.REQ: MergeCol.ROW_END + 1] = tmpl[m_rows, WorkCol.REQ: WorkCol.ROW_END + 1]
+            mr[:, MergeCol.FIRST_SLOT] = m_first
+            mr[:, MergeCol.NUM_SPLITS] = m_count
             hs["slot_merge"][:num_slots] = np.arange(num_merge).repeat(m_count)
         if self._on_cuda:
             end_off = self._segs["work"][0] + n * WORK_COLS
             self._meta[:end_off].copy_(self._staging_t[:end_off], non_blocking=True)
+            if num_entries:
+                self._page_list[:num_entries].copy_(self._page_staging_t[:num_entries],
+                                                    non_blocking=True)
             if self._copy_done is None:
                 self._copy_done = torch.cuda.Event()
             self._copy_done.record()
 
         # ---- summary ------------------------------------------------------------------------
-        cta_cost = cta_load * 1e-9  # fs -> us
-        p_us = p_load * 1e-9
-        if self.pairing == "adjacent":
-            per_sm = cta_cost.reshape(-1, self.ctas_per_sm)
-            p_sm = p_us.reshape(-1, self.ctas_per_sm)
-        else:
-            per_sm = cta_cost.reshape(self.ctas_per_sm, -1).T
-            p_sm = p_us.reshape(self.ctas_per_sm, -1).T
+        cta_cost, p_us = cta_load, p_load
+        spm = self.config.kernel.ctas_per_sm
+        per_sm = cta_cost.reshape(spm, -1).T
+        p_sm = p_us.reshape(spm, -1).T
         mean = cta_cost.mean()
         n_d = int(kind.sum()) if both else (n if n0d else 0)
+        # The HBM bound of the whole batch: every decode byte at the full-chip rate.
+        d_total = (float((cta_cost - p_us).sum()) * self.cost.decode_sm_bandwidth
+                   / self.cost.ref_num_sms)
         summary = PlanSummary(
             num_requests=B, num_prefill_requests=preq.size, num_decode_requests=dreq.size,
             num_prefill_items=n - n_d, num_decode_items=n_d,
@@ -932,7 +973,7 @@ class Planner:
             predicted_prefill_us=float(p_us.max()),
             predicted_decode_us=float((cta_cost - p_us).max()),
             predicted_us=float(max(per_sm.max(), p_sm.sum(1).max(),
-                                   (per_sm - p_sm).sum(1).max())),
+                                   (per_sm - p_sm).sum(1).max(), d_total)),
             balance=float(cta_cost.max() / mean) if mean > 0 else 1.0, grid=grid)
         d = self._d
         return Plan(
@@ -940,10 +981,10 @@ class Planner:
             work=d["work"][:n], cta_ptr=d["cta_ptr"], merge=d["merge"][:num_merge],
             slot_merge=d["slot_merge"][:num_slots], merge_sem=self._merge_sem,
             q_start=d["q_start"][: B + 1], kv_len=d["kv_len"][:B],
-            page_start=d["page_start"][:B], page_list=page_list,
-            partial_o=self._partial_o, partial_lse=self._partial_lse,
+            page_start=d["page_start"][:B], page_list=self._page_list[:num_entries],
+            params=d["params"],
             total_q=total_q, batch_size=B, num_items=n, num_merge=num_merge,
             num_slots=num_slots, grid=grid, max_page_index=max_page_index,
-            buffer_epoch=self.buffer_epoch, summary=summary,
+            buffer_epoch=self.buffer_epoch, summary=summary, kernel_args=self.kernel_args,
             q_lens=q_len, kv_lens=kvl, needed_pages=used,
-            item_cost_fs=item_cost, cta_cost_us=cta_cost, _pages=pages)
+            item_cost_us=item_cost, cta_cost_us=cta_cost, _pages=pages)

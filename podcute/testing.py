@@ -78,13 +78,15 @@ def make_batch(
     interleaved=False,
     strided_q=False,
     pool_factor=3.0,
+    num_pages=None,
     garbage=float("nan"),
     sm_scale=None,
     seed=0,
 ) -> Batch:
     """A random batch: request i has q_lens[i] queries and kv_lens[i] KV tokens.
 
-    The pool holds max(1, ceil(pool_factor x pages needed)) pages; requests get disjoint
+    The pool holds max(1, ceil(pool_factor x pages needed)) pages (or exactly `num_pages`,
+    e.g. a fixed pool shared by the batches of one CUDA graph); requests get disjoint
     pages in a random order. Only token slots < kv_len of used pages hold data
     (standard normal); everything else holds `garbage`. Block-table entries past a
     request's pages are random pages that no request uses (all garbage), or 0 when the
@@ -113,7 +115,10 @@ def make_batch(
 
     n_pages = [-(-n // ps) for n in kv_lens]
     needed = sum(n_pages)
-    num_pages = max(1, needed, math.ceil(pool_factor * needed))
+    if num_pages is None:
+        num_pages = max(1, needed, math.ceil(pool_factor * needed))
+    elif num_pages < max(1, needed):
+        raise ValueError(f"num_pages={num_pages} < the {needed} pages the batch needs")
     perm = torch.randperm(num_pages, generator=gen, device=device).to(torch.int32)
     used, spare = perm[:needed], perm[needed:]
 

@@ -10,14 +10,16 @@ import textwrap
 import pytest
 import torch
 
-from podcute.compile import VariantKey, cache_dir
+from podcute.compile import VariantKey, _kernel_source_files, cache_dir
+from podcute.kernels.config import KernelConfig
 
 pytestmark = pytest.mark.compile
 
 SCRIPT = textwrap.dedent("""
     import time, torch
     from podcute.compile import VariantKey, compile_variant
-    key = VariantKey.make(torch.bfloat16, 64, 4, True, False)
+    from podcute.kernels.config import KernelConfig
+    key = VariantKey.make(KernelConfig.select("bfloat16", 64, 4, True, False, page_size=16))
     t = time.perf_counter()
     pod = compile_variant(key)
     print(f"seconds {time.perf_counter() - t:.3f}", type(pod).__name__)
@@ -36,12 +38,29 @@ def compiles(log):
 
 
 def test_keys_differ_for_different_code():
-    configs = list(itertools.product((torch.bfloat16, torch.float16), (64, 128), (1, 4, 7),
-                                     (True, False), (True, False)))
-    keys = {VariantKey.make(*c) for c in configs}
+    configs = list(itertools.product(("bfloat16", "float16"), (64, 128), (1, 4, 7),
+                                     (True, False), (True, False), (16, 128)))
+    keys = {VariantKey.make(KernelConfig.select(*c)) for c in configs}
     assert len(keys) == len(configs)
-    assert VariantKey.make(torch.bfloat16, 128, 4, True, True) == VariantKey.make(
-        torch.bfloat16, 128, 4, True, True)
+    assert VariantKey.make(KernelConfig.select("bfloat16", 128, 4, True, True)) == \
+        VariantKey.make(KernelConfig.select("bfloat16", 128, 4, True, True))
+
+
+def test_fingerprint_covers_every_kernel_source():
+    """Kernels, the layouts package (wherever the install put it) and the compiled
+    signature: a change to any of them is a different key."""
+    import podcute.kernels
+    import podcute.layouts
+
+    files = {str(f) for f in _kernel_source_files()}
+    kernels = os.path.dirname(podcute.kernels.__file__)
+    layouts = os.path.dirname(podcute.layouts.__file__)
+    for folder in (kernels, layouts):
+        for name in os.listdir(folder):
+            if name.endswith(".py"):
+                assert os.path.realpath(os.path.join(folder, name)) in {
+                    os.path.realpath(f) for f in files}, name
+    assert any(f.endswith("compile.py") for f in files)
 
 
 def test_two_processes_compile_once_then_disk_hits(tmp_path):

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from podcute.compile import VariantKey, shipped_variants
+from podcute.kernels.config import KernelConfig
 
 pytestmark = pytest.mark.compile
 
@@ -45,4 +46,4 @@ def test_unsupported_arch_is_refused():
     assert proc.returncode != 0
     assert "sm_90a" in proc.stderr
     with pytest.raises(ValueError, match="sm_90a"):
-        VariantKey.make(__import__("torch").bfloat16, 128, 4, True, True, arch="sm_100a")
+        VariantKey.make(KernelConfig.select("bfloat16", 128, 4, True, True, arch="sm_100a"))

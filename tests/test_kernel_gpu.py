@@ -59,7 +59,7 @@ def _wrapper(hq, hkv, d, page, dtype, layout):
 
 def check(name, q_lens, kv_lens, *, hq=8, hkv=2, d=128, page=16, dtype=torch.bfloat16,
           layout="NHD", fmt="table", causal=True, interleaved=False, strided_q=False,
-          seed=0):
+          seed=0, pad_rows=0):
     b = make_batch(q_lens, kv_lens, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d,
                    page_size=page, dtype=dtype, device="cuda", kv_layout=layout,
                    page_format=fmt, interleaved=interleaved, strided_q=strided_q, seed=seed)
@@ -69,14 +69,20 @@ def check(name, q_lens, kv_lens, *, hq=8, hkv=2, d=128, page=16, dtype=torch.bfl
     pages = (dict(block_table=b.block_table) if fmt == "table"
              else dict(kv_indptr=b.kv_indptr, kv_indices=b.kv_indices))
     attn.plan(cu, kvl, causal=causal, **pages)
-    out = torch.full_like(b.q, float("nan"))
-    out, lse = attn.run(b.q, b.k_cache, b.v_cache, out=out, return_lse=True)
+    q, n = b.q, b.q.shape[0]
+    if pad_rows:  # an engine's padded token count: rows past cu_seqlens_q[-1]
+        q = torch.cat([b.q, torch.full((pad_rows, *b.q.shape[1:]), float("nan"),
+                                       dtype=dtype, device="cuda")])
+    out = torch.full_like(q, float("nan"))
+    out, lse = attn.run(q, b.k_cache, b.v_cache, out=out, return_lse=True)
     # Again into fresh poison: split groups merge in-kernel behind per-group semaphores,
     # which must be back at zero for the next launch (and for CUDA-graph replays).
-    again = torch.full_like(b.q, float("nan"))
-    again, lse_again = attn.run(b.q, b.k_cache, b.v_cache, out=again, return_lse=True)
+    again = torch.full_like(q, float("nan"))
+    again, lse_again = attn.run(q, b.k_cache, b.v_cache, out=again, return_lse=True)
     ref, ref_lse = b.reference(causal=causal, return_lse=True)
     torch.cuda.synchronize()
+    assert out[n:].isnan().all(), f"{name}: padding rows written"
+    out, lse, again, lse_again = out[:n], lse[:n], again[:n], lse_again[:n]
     assert not out.isnan().any(), f"{name}: unwritten or NaN output"
     assert torch.equal(out, again) and torch.equal(lse, lse_again), f"{name}: second run differs"
     assert not attn.current_plan.merge_sem.any(), f"{name}: merge semaphores not reset"
@@ -153,4 +159,4 @@ def test_random_mixed(seed):
         q_lens[0] = 1
     check(f"random {seed}", q_lens, kv_lens, page=rng.choice([1, 16, 64, 128]),
           fmt=rng.choice(["table", "csr"]), interleaved=rng.random() < 0.3,
-          strided_q=rng.random() < 0.3, seed=seed)
+          strided_q=rng.random() < 0.3, seed=seed, pad_rows=rng.choice([0, 0, 0, 7]))

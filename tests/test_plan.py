@@ -13,15 +13,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from podcute.kernels.config import SUPPORTED_PAGE_SIZES, TileConfig
-from podcute.plan import (
-    KIND_DECODE,
-    KIND_PREFILL,
-    CostModel,
-    Planner,
-    PlanSummary,
-    capacities,
-)
+from podcute.kernels.config import SUPPORTED_PAGE_SIZES, KernelConfig
+from podcute.kernels.metadata import Kind, MergeCol, WorkCol
+from podcute.plan import CapacityError, CostModel, Planner, PlanSummary, capacities
+
+KIND_PREFILL, KIND_DECODE = int(Kind.PREFILL), int(Kind.DECODE)
 
 _PLANNERS = {}
 
@@ -57,13 +53,13 @@ def check_plan(plan, q_lens, kv_lens, page_limit):
     """All structural invariants of one plan (docs/design.md)."""
     cfg = plan.config
     G, Hkv, Hq, ps = cfg.group_size, cfg.num_kv_heads, cfg.num_qo_heads, cfg.page_size
-    tm, tn = cfg.tile.tile_m, cfg.tile.tile_n
+    tm_p, tm_d, tn = cfg.kernel.tile_m_prefill, cfg.kernel.tile_m_decode, cfg.kernel.tile_n
     q_lens, kv_lens = np.asarray(q_lens, np.int64), np.asarray(kv_lens, np.int64)
     work = plan.work.numpy().astype(np.int64)
     merge = plan.merge.numpy().astype(np.int64)
     cta_ptr = plan.cta_ptr.numpy()
     n = plan.num_items
-    assert work.shape == (n, 8) and merge.shape == (plan.num_merge, 6)
+    assert work.shape == (n, len(WorkCol)) and merge.shape == (plan.num_merge, len(MergeCol))
 
     # CTA lists partition the items.
     assert cta_ptr.shape == (plan.grid + 1,)
@@ -72,11 +68,12 @@ def check_plan(plan, q_lens, kv_lens, page_limit):
     req, head, rs, re, ks, ke, slot, kind = work.T
     rows = q_lens * G
     assert ((req >= 0) & (req < len(q_lens))).all() and ((head >= 0) & (head < Hkv)).all()
-    assert (rs >= 0).all() and (re > rs).all() and (re - rs <= tm).all()
-    assert (re <= rows[req]).all()
-    assert (rs % tm == 0).all()  # row tiles start on tile boundaries
-    # Classification: decode work iff the whole request fits one row tile.
-    assert (kind == np.where(rows[req] <= tm, KIND_DECODE, KIND_PREFILL)).all()
+    # Classification: decode work iff the whole request fits one decode tile.
+    assert (kind == np.where(rows[req] <= tm_d, KIND_DECODE, KIND_PREFILL)).all()
+    dec = kind == KIND_DECODE
+    assert (rs >= 0).all() and (re > rs).all() and (re <= rows[req]).all()
+    assert (re - rs <= np.where(dec, tm_d, tm_p)).all()
+    assert (rs[~dec] % tm_p == 0).all() and (rs[dec] == 0).all()  # tiles start on boundaries
     # KV range: tile-aligned start, non-empty unless the visible range is empty, causal.
     q, kvl = q_lens[req], kv_lens[req]
     limit = np.minimum(kvl, kvl - q + (re - 1) // G + 1) if plan.causal else kvl
@@ -222,7 +219,7 @@ def test_balance(seed):
     plan = planner(hq, hkv, d, ps).plan(cu, kvl, causal=True, **pages)
     cost = plan.cta_cost_us
     mean, mx = cost.mean(), cost.max()
-    assert abs(cost.sum() - plan.item_cost_fs.sum() * 1e-9) < 1e-6 * cost.sum() + 1e-6
+    assert abs(cost.sum() - plan.item_cost_us.sum()) < 1e-6 * cost.sum() + 1e-6
     if mean >= 5:
         assert mx <= 1.02 * mean + 10.0, plan.summary
     if mean >= 200:
@@ -231,10 +228,11 @@ def test_balance(seed):
 
 
 @pytest.mark.parametrize("seed", range(30))
-def test_every_sm_gets_both_kinds(seed):
-    """When each kind has at least min_chunk of work per CTA, every CTA pair (one SM)
-    runs prefill and decode items, and every CTA's list interleaves them, the SM's first
-    CTA starting on prefill and its second on decode."""
+def test_every_cta_gets_both_kinds(seed):
+    """When each kind has at least min_chunk of work per CTA (one CTA per SM), every CTA
+    list runs prefill and decode items, interleaved, and neighbouring SMs start on
+    different kinds (even lists on prefill, odd ones on decode), so both kinds run on the
+    chip at any moment."""
     rng = np.random.default_rng(1000 + seed)
     hq, hkv = [(32, 8), (28, 4), (64, 8), (32, 4)][seed % 4]
     d, ps = [128, 64][seed % 2], [16, 32, 1][seed % 3]
@@ -242,48 +240,22 @@ def test_every_sm_gets_both_kinds(seed):
                              int(rng.choice([2048, 8192, 32768])))
     cu, kvl, pages = lengths_to_inputs(q_lens, kv_lens, ps, "table", rng)
     p = planner(hq, hkv, d, ps)
+    assert p.config.kernel.ctas_per_sm == 1 and p.grid == p.num_sms
     plan = p.plan(cu, kvl, **pages)
     work, cta_ptr = plan.work.numpy(), plan.cta_ptr.numpy()
-    kind, cost = work[:, 7], plan.item_cost_fs * 1e-9
+    kind, cost = work[:, WorkCol.KIND], plan.item_cost_us
     per_cta = [cost[kind == k].sum() / plan.grid for k in (KIND_PREFILL, KIND_DECODE)]
     if min(per_cta) < p.cost.min_chunk_us:
         pytest.skip("a kind has less than min_chunk of work per CTA")
-    def items(c):
-        return kind[cta_ptr[c]: cta_ptr[c + 1]].tolist()
-
-    # The default pairing is "wave": lists s and s + num_sms share SM s.
-    assert p.pairing == "wave"
-    for sm in range(p.num_sms):
-        kinds = set(items(sm) + items(sm + p.num_sms))
-        assert kinds == {KIND_PREFILL, KIND_DECODE}, f"SM {sm} runs only {kinds}"
     for c in range(plan.grid):
         k = kind[cta_ptr[c]: cta_ptr[c + 1]]
-        if len(set(k.tolist())) == 2:
-            assert k[0] == (KIND_PREFILL if c < p.num_sms else KIND_DECODE)
-            # Interleaved (items follow the batch-wide progress of their kind): with >= 3
-            # items of each kind, the list neither runs one kind entirely first nor last.
-            switches = int((k[1:] != k[:-1]).sum())
-            if min((k == 0).sum(), (k == 1).sum()) >= 3:
-                assert switches >= 2, (c, k)
-
-
-def test_wave_pairing_for_blockidx_launches():
-    """pairing="wave": SM s holds lists s and s + num_sms (a plain blockIdx launch); the
-    first wave starts on prefill, the second on decode, and every SM gets both kinds."""
-    p = planner(32, 8, 128, 16, pairing="wave")
-    q_lens, kv_lens = [2048] + [1] * 128, [2048] * 129
-    cu, kvl, pages = lengths_to_inputs(q_lens, kv_lens, 16, "table", np.random.default_rng(0))
-    plan = p.plan(cu, kvl, **pages)
-    check_plan(plan, q_lens, kv_lens, page_limits(pages, kv_lens, 16))
-    kind, ptr, S = plan.work.numpy()[:, 7], plan.cta_ptr.numpy(), p.num_sms
-    for s in range(S):
-        a, b = kind[ptr[s]: ptr[s + 1]], kind[ptr[s + S]: ptr[s + S + 1]]
-        assert a[0] == KIND_PREFILL and b[0] == KIND_DECODE
-        assert set(a.tolist()) | set(b.tolist()) == {KIND_PREFILL, KIND_DECODE}
-    adjacent = planner(32, 8, 128, 16).plan(cu, kvl, **pages)
-    assert plan.summary.balance == pytest.approx(adjacent.summary.balance)
-    with pytest.raises(ValueError, match="pairing"):
-        Planner(8, 8, 128, 16, device="cpu", pairing="odd")
+        assert set(k.tolist()) == {KIND_PREFILL, KIND_DECODE}, f"CTA {c} runs only {set(k)}"
+        assert k[0] == (KIND_DECODE if c % 2 else KIND_PREFILL)
+        # Interleaved (items follow the batch-wide progress of their kind): with >= 3
+        # items of each kind, the list neither runs one kind entirely first nor last.
+        switches = int((k[1:] != k[:-1]).sum())
+        if min((k == 0).sum(), (k == 1).sum()) >= 3:
+            assert switches >= 2, (c, k)
 
 
 def test_demo_batch_summary():
@@ -295,7 +267,7 @@ def test_demo_batch_summary():
     s = plan.summary
     assert isinstance(s, PlanSummary)
     assert (s.num_prefill_requests, s.num_decode_requests) == (1, 128)
-    assert s.num_prefill_items >= 2048 * 4 // 64 * 8  # 128 row tiles x 8 kv heads
+    assert s.num_prefill_items >= 2048 * 4 // 128 * 8  # 64 row tiles x 8 kv heads
     assert s.balance < 1.05
     # Roofline of this batch is 0.264 ms (DESIGN.md); the prediction adds overheads.
     assert 250 < s.predicted_us < 400
@@ -307,7 +279,8 @@ def test_demo_batch_summary():
 
 
 def test_classification_by_packed_rows():
-    """Decode work = q_len * G <= tile_m (any order, no label); q_len == 0 is no work."""
+    """Decode work = q_len * G <= tile_m_decode (any order, no label); q_len == 0 is no
+    work."""
     p = planner(32, 8, 128, 16)  # G = 4: q_len <= 16 is decode work
     q_lens, kv_lens = [16, 17, 0, 1, 8, 300], [100, 100, 50, 5, 20, 400]
     cu, kvl, pages = lengths_to_inputs(q_lens, kv_lens, 16, "table", np.random.default_rng(0))
@@ -325,7 +298,7 @@ def test_non_causal_empty_kv_still_writes():
     cu, kvl, pages = lengths_to_inputs(q_lens, kv_lens, 16, "csr", np.random.default_rng(0))
     plan = planner(8, 8, 128, 16).plan(cu, kvl, causal=False, **pages)
     check_plan(plan, q_lens, kv_lens, page_limits(pages, kv_lens, 16))
-    assert plan.num_items == 8 * (1 + 100 // 64 + 1) and plan.max_page_index == -1
+    assert plan.num_items == 8 * (1 + 100 // 128 + 1) and plan.max_page_index == -1
 
 
 def test_long_decode_is_split_and_merged():
@@ -338,7 +311,7 @@ def test_long_decode_is_split_and_merged():
     # chunks keep at least the minimum chunk of KV
     w = plan.work.numpy()
     span = w[:, 5] - w[:, 4]
-    assert span.min() >= p._min_tiles[KIND_DECODE] * p.config.tile.tile_n
+    assert span.min() >= p._min_tiles[KIND_DECODE] * p.config.kernel.tile_n
     assert plan.summary.balance < 1.2
 
 
@@ -366,7 +339,7 @@ def test_empty_batch():
 def test_buffers_reused_within_capacity_and_grown_beyond():
     p = Planner(32, 8, 128, 16, device="cpu", max_batch_size=8, max_num_tokens=256)
     cap = p.capacity
-    assert cap == capacities(8, 256, 32, 8, 64, p.grid)
+    assert cap == capacities(8, 256, 1 << 20, 32, 8, 64, p.grid)
     rng = np.random.default_rng(0)
     ptrs = None
     for _ in range(20):  # any batch within capacity: same buffers
@@ -374,8 +347,8 @@ def test_buffers_reused_within_capacity_and_grown_beyond():
         cu, kvl, pages = lengths_to_inputs(q_lens, kv_lens, 16, "table", rng)
         plan = p.plan(cu, kvl, **pages)
         check_plan(plan, q_lens, kv_lens, page_limits(pages, kv_lens, 16))
-        now = (plan.work.data_ptr(), plan.cta_ptr.data_ptr(), plan.partial_o.data_ptr(),
-               plan.q_start.data_ptr(), plan.buffer_epoch)
+        now = tuple(a.data_ptr() for a in plan.kernel_args if isinstance(a, torch.Tensor)) + (
+            plan.buffer_epoch,)
         assert ptrs is None or now == ptrs
         ptrs = now
     # bigger than the capacity: grown once, and then stable again
@@ -412,10 +385,34 @@ def test_capture_refuses_to_grow(monkeypatch):
     p = Planner(8, 8, 128, 16, device="cpu", max_batch_size=2, max_num_tokens=16)
     p._on_cuda = True  # pretend: growth must check for graph capture
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    with pytest.raises(RuntimeError, match="capture"):
+    with pytest.raises(CapacityError, match="max_batch_size.*capture"):
         p.plan(torch.tensor([0, 1, 2, 3], dtype=torch.int32),
                torch.tensor([5, 5, 5], dtype=torch.int32),
                block_table=torch.zeros(3, 1, dtype=torch.int32))
+
+
+def test_frozen_planner_refuses_to_grow_in_plan():
+    """After a capture (freeze), a batch past any capacity raises CapacityError in plan(),
+    naming the constructor argument, and the buffers stay where the graph has them."""
+    p = Planner(8, 8, 128, 16, device="cpu", max_batch_size=4, max_num_tokens=64,
+                max_num_pages=8)
+    i32 = dict(dtype=torch.int32)
+    p.plan(torch.tensor([0, 1], **i32), torch.tensor([5], **i32), block_table=torch.zeros(1, 1, **i32))
+    p.freeze()
+    args = p.kernel_args
+    for kw, match in (
+        (dict(cu=[0, 1, 2, 3, 4, 5], kv=[5] * 5, bt=torch.zeros(5, 1, **i32)), "max_batch_size"),
+        (dict(cu=[0, 65], kv=[65], bt=torch.zeros(1, 5, **i32)), "max_num_tokens"),
+        (dict(cu=[0, 1, 2], kv=[100, 100], bt=torch.zeros(2, 7, **i32)), "max_num_pages"),
+    ):
+        with pytest.raises(CapacityError, match=match):
+            p.plan(torch.tensor(kw["cu"], **i32), torch.tensor(kw["kv"], **i32),
+                   block_table=kw["bt"])
+        assert p.kernel_args is args
+    # within the capacities: planned into the same buffers
+    plan = p.plan(torch.tensor([0, 2, 3], **i32), torch.tensor([60, 40], **i32),
+                  block_table=torch.zeros(2, 4, **i32))
+    assert plan.kernel_args is args and plan.num_items > 0
 
 
 # ---- page bounds ----------------------------------------------------------------------------
@@ -497,14 +494,14 @@ def test_cost_model_constants_are_exposed():
     c = CostModel()
     assert c.tensor_flops_per_s == 779e12 and c.hbm_bytes_per_s == 4.22e12
     assert c.mma_flops_per_us() == pytest.approx(779e12 / 132 * c.mma_efficiency * 1e-6)
-    tile = TileConfig.for_head_dim(128)
     p = planner(32, 8, 128, 16)
     # one decode item of 2048 tokens (8 kv heads -> 8 items): bytes / per-SM bandwidth
     plan = p.plan(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([2048], dtype=torch.int32),
                   block_table=torch.zeros(1, 128, dtype=torch.int32))
     # (the 8 items are cut into min-chunk pieces over the grid; each piece pays Q/O + 2 us)
-    kv_us = 8 * 2048 * 2 * 128 * 2 / (4.22e12 / 132) * 1e6
-    piece_us = 4 * 2 * 128 * 2 / (4.22e12 / 132) * 1e6 + c.decode_item_overhead_us
-    total = plan.item_cost_fs.sum() * 1e-9
+    bw = 4.22e12 / 132 * c.decode_sm_bandwidth
+    kv_us = 8 * 2048 * 2 * 128 * 2 / bw * 1e6
+    piece_us = 4 * 2 * 128 * 2 / bw * 1e6 + c.decode_item_overhead_us
+    total = plan.item_cost_us.sum()
     assert total == pytest.approx(kv_us + plan.num_items * piece_us, rel=1e-3)
-    assert tile.tile_m == 64
+    assert KernelConfig.select("bfloat16", 128).tile_m_decode == 64

@@ -1,31 +1,152 @@
-"""Static tile configuration shared by the planner and the kernel.
+"""The one kernel configuration: every static choice the planner, the compile key, launch
+and the kernel share, chosen in one place (:meth:`KernelConfig.select`).
 
-The planner must cut work exactly the way the kernel tiles it, so both read the tile
-sizes from here.
+No torch and no cutlass here, so the host planner can import it cheaply. A variant is
+one `KernelConfig`; everything per batch (lengths, pages, scales) is runtime data.
 """
 
+from __future__ import annotations
+
+import dataclasses
 from dataclasses import dataclass
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 SUPPORTED_ARCHS = ("sm_90a",)
+SUPPORTED_DTYPES = ("bfloat16", "float16")
+
+WARPGROUP_THREADS = 128
+# Hopper: 227 KB of shared memory per CTA (opt-in), 64K 32-bit registers per SM.
+SMEM_BYTES_PER_SM = 227 * 1024
+REGISTERS_PER_SM = 64 * 1024
 
 
 @dataclass(frozen=True)
-class TileConfig:
+class KernelConfig:
+    """Static facts of one compiled kernel variant.
+
+    Tiling (fixed per arch / dtype / head_dim; the planner cuts work with these):
+      * ``tile_m_prefill``: packed rows of a prefill item, ``num_mma_warpgroups`` x 64
+        (each MMA warpgroup owns 64 rows and both share every K/V stage);
+      * ``tile_m_decode``: packed rows of a decode item (one warpgroup's rows; the two
+        MMA warpgroups take alternate KV tiles of the item and combine at the end);
+      * ``tile_n``: KV tokens per pipeline stage; ``num_stages``: K/V pipeline depth;
+      * ``ctas_per_sm`` and the ``setmaxnreg`` split between the producer warpgroup and
+        the MMA warpgroups.
+    Feature flags (per variant): GQA group, causal, LSE output, page class (``tma_kv``:
+    pages hold whole KV tiles, so a tile is one TMA box; else a cp.async row gather).
+    """
+
+    arch: str
+    dtype: str
     head_dim: int
-    tile_m: int  # packed (token, head) rows per work item: one consumer warpgroup
-    tile_n: int  # KV tokens per pipeline stage
-    num_stages: int  # K/V pipeline depth
+    group: int
+    causal: bool
+    has_lse: bool
+    tma_kv: bool
+    tile_m_prefill: int
+    tile_m_decode: int
+    tile_n: int
+    num_stages: int
+    num_mma_warpgroups: int
+    ctas_per_sm: int
+    producer_regs: int
+    mma_regs: int
+
+    # ---- derived ----------------------------------------------------------------------
+
+    @property
+    def elem_bytes(self) -> int:
+        return 2
+
+    @property
+    def num_mma_threads(self) -> int:
+        return self.num_mma_warpgroups * WARPGROUP_THREADS
+
+    @property
+    def num_threads(self) -> int:
+        return self.num_mma_threads + WARPGROUP_THREADS  # + the producer warpgroup
+
+    @property
+    def partial_rows(self) -> int:
+        """Rows of one split-KV partial slot: the largest item."""
+        return max(self.tile_m_prefill, self.tile_m_decode)
+
+    def smem_bytes(self) -> int:
+        """Q tile + K/V stages + the O staging / decode-combine scratch + barriers."""
+        e, d = self.elem_bytes, self.head_dim
+        q = self.tile_m_prefill * d * e
+        kv = 2 * self.num_stages * self.tile_n * d * e
+        # Combine scratch: one warpgroup's fp32 O fragment + 4 row statistics per thread.
+        scratch = WARPGROUP_THREADS * (self.tile_m_decode * d // WARPGROUP_THREADS + 4) * 4
+        return q + kv + max(scratch, self.tile_m_prefill * d * e) + 1024 + 3 * 1024
+
+    def can_implement(self) -> tuple[bool, str]:
+        """(True, "") if this configuration is buildable, else (False, why)."""
+        if self.arch not in SUPPORTED_ARCHS:
+            return False, f"arch {self.arch} (supported: {', '.join(SUPPORTED_ARCHS)})"
+        if self.dtype not in SUPPORTED_DTYPES:
+            return False, f"dtype {self.dtype} (supported: {SUPPORTED_DTYPES})"
+        if self.head_dim not in SUPPORTED_HEAD_DIMS:
+            return False, f"head_dim {self.head_dim} (supported: {SUPPORTED_HEAD_DIMS})"
+        if self.group < 1:
+            return False, f"group {self.group} must be >= 1"
+        if self.tile_m_prefill != 64 * self.num_mma_warpgroups or self.tile_m_decode != 64:
+            return False, "each MMA warpgroup owns 64 rows (one m64 wgmma)"
+        if self.tile_n % 16 or self.tile_n > 256:
+            return False, f"tile_n {self.tile_n} must be a multiple of 16 up to 256"
+        if self.num_stages < 2:
+            return False, "the K/V pipeline needs >= 2 stages"
+        if self.smem_bytes() * self.ctas_per_sm > SMEM_BYTES_PER_SM:
+            return False, (f"{self.smem_bytes()} B of shared memory x {self.ctas_per_sm} CTAs "
+                           f"> {SMEM_BYTES_PER_SM}")
+        for name, r in (("producer_regs", self.producer_regs), ("mma_regs", self.mma_regs)):
+            if r % 8 or not 24 <= r <= 256:
+                return False, f"{name} {r}: setmaxnreg takes multiples of 8 in [24, 256]"
+        regs = WARPGROUP_THREADS * (self.producer_regs + self.num_mma_warpgroups * self.mma_regs)
+        if regs * self.ctas_per_sm > REGISTERS_PER_SM:
+            return False, f"{regs} registers x {self.ctas_per_sm} CTAs > {REGISTERS_PER_SM}"
+        # The launch cap (registers per thread at entry) must hold the larger role.
+        if self.launch_regs() < self.producer_regs:
+            return False, "the launch register cap is below the producer's"
+        return True, ""
+
+    def launch_regs(self) -> int:
+        """Registers per thread at kernel entry (the launch cap setmaxnreg needs)."""
+        return REGISTERS_PER_SM // (self.ctas_per_sm * self.num_threads) // 8 * 8
+
+    def with_flags(self, *, group=None, causal=None, has_lse=None, tma_kv=None) -> "KernelConfig":
+        changes = {k: v for k, v in (("group", group), ("causal", causal),
+                                     ("has_lse", has_lse), ("tma_kv", tma_kv)) if v is not None}
+        return dataclasses.replace(self, **changes)
+
+    def with_page_size(self, page_size: int) -> "KernelConfig":
+        """The page class: TMA boxes when every KV tile lies inside one page."""
+        return self.with_flags(tma_kv=page_size % self.tile_n == 0)
+
+    # ---- the selector -------------------------------------------------------------------
 
     @staticmethod
-    def for_head_dim(head_dim: int) -> "TileConfig":
+    def select(dtype: str = "bfloat16", head_dim: int = 128, group: int = 1,
+               causal: bool = True, has_lse: bool = False, page_size: int = 16,
+               arch: str = "sm_90a") -> "KernelConfig":
+        """The configuration podcute runs for these facts (raises ValueError if none)."""
         if head_dim not in SUPPORTED_HEAD_DIMS:
             raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
-        # Two CTAs share an SM (one prefill-heavy, one decode-heavy at any moment), so each
-        # keeps to half of the 227 KB of shared memory: Q tile + stages x (K + V tiles).
-        # tile_n 64 also bounds registers: with S of one tile and P of the previous one
-        # live at once (intra-warpgroup overlap), a 128-wide tile spills at D 64.
-        if head_dim == 64:
-            return TileConfig(head_dim, tile_m=64, tile_n=64, num_stages=4)  # 72 KB
-        return TileConfig(head_dim, tile_m=64, tile_n=64, num_stages=2)  # 80 KB
+        # FA3's structure: one CTA per SM = a producer warpgroup + two MMA warpgroups of
+        # 64 rows over 128-token K/V tiles. D 128: Q 32 KB + 2 stages x (K + V) 128 KB +
+        # 32 KB O staging; D 64 halves every tile, so 4 stages fit. A cp.async producer
+        # (page gather) needs more registers than a TMA one.
+        stages = 2 if head_dim == 128 else 4
+        tma_kv = page_size % 128 == 0
+        producer_regs, mma_regs = (24, 240) if tma_kv else (40, 232)
+        cfg = KernelConfig(
+            arch=arch, dtype=dtype, head_dim=head_dim, group=group, causal=bool(causal),
+            has_lse=bool(has_lse), tma_kv=tma_kv, tile_m_prefill=128, tile_m_decode=64,
+            tile_n=128, num_stages=stages, num_mma_warpgroups=2, ctas_per_sm=1,
+            producer_regs=producer_regs, mma_regs=mma_regs,
+        )
+        ok, why = cfg.can_implement()
+        if not ok:
+            raise ValueError(f"podcute has no kernel for this configuration: {why}")
+        return cfg

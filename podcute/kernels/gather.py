@@ -29,8 +29,9 @@ class RowGather:
     @staticmethod
     def create(dtype, num_rows: int, head_dim: int, num_threads: int, tidx: Int32) -> "RowGather":
         elems = COPY_BITS // dtype.width
-        # Threads of one row cover it contiguously (up to 256 B per row in one pass).
-        threads_per_row = math.gcd(head_dim // elems, 32)
+        # 4 threads cover a row, 16 B each per pass (a warp reads 8 rows x 64 B): a thread
+        # resolves only a few rows per tile, which keeps the producer within its registers.
+        threads_per_row = math.gcd(head_dim // elems, 4)
         atom = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
             dtype,
@@ -44,15 +45,24 @@ class RowGather:
         tXcX = thr_copy.partition_S(cute.make_identity_tensor((num_rows, head_dim)))
         return RowGather(tiled_copy, thr_copy, tXcX, dtype, head_dim)
 
+    @property
+    def rows_per_thread(self) -> int:
+        return cute.size(self.tXcX, mode=[1])
+
+    def row(self, m: int):
+        """Tile row of this thread's m-th row (0 <= m < rows_per_thread)."""
+        return self.tXcX[0, m, 0][0]
+
     @cute.jit
     def copy_rows(self, sX: cute.Tensor, gmem_row: Callable):
-        """Copy tile row r from the (D,) global tensor `gmem_row(r)` into sX[r, :]."""
+        """Copy each of this thread's tile rows r (the m-th) from the (D,) global tensor
+        `gmem_row(m, r)` into sX[r, :]."""
         tXsX = self.thr_copy.partition_D(sX)
         elem_bytes = self.dtype.width // 8
         for m in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
             # Rebuild the row pointer with the 16-byte alignment the API guarantees:
             # the DSL cannot infer it through dynamic page and head strides.
-            base = gmem_row(self.tXcX[0, m, 0][0]).iterator.toint()
+            base = gmem_row(m, self.row(m)).iterator.toint()
             for k in cutlass.range_constexpr(cute.size(tXsX, mode=[2])):
                 col = self.tXcX[0, m, k][1]
                 src_ptr = cute.make_ptr(

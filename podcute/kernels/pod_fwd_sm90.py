@@ -1,21 +1,28 @@
 """The fused POD attention kernel for sm_90a: prefill and decode work in one launch.
 
-Every CTA of a persistent grid runs the list of work items the planner gave it
-(`docs/design.md`). An item is a tile of packed (query token, query head) rows of one
-(request, KV head) against a range of that request's KV tokens. Prefill items are
-row tiles of long requests over their whole (causal) KV range; decode items hold a
-request's whole GQA group (x its q_len) in one tile over one KV split. The planner
-interleaves both kinds in every CTA list and two CTAs share each SM, so tensor-core
-bound prefill tiles and HBM-bound decode splits run side by side on every SM.
+Every CTA of a persistent grid (one CTA per SM) runs the list of work items the planner
+gave it (`docs/design.md`). An item is a tile of packed (query token, query head) rows of
+one (request, KV head) against a range of that request's KV tokens. The planner
+interleaves both kinds in every list, and neighbouring SMs start on different kinds, so
+tensor-core-bound prefill tiles and HBM-bound decode splits run side by side on the chip.
 
-CTA = 2 warpgroups:
-  * producer (warpgroup 0, 56 registers): gathers Q rows with cp.async and streams K/V
+CTA = 1 producer warpgroup + `num_mma_warpgroups` (2) MMA warpgroups, FA3's structure:
+  * producer (warpgroup 0, few registers): gathers Q rows with cp.async and streams K/V
     tiles into a multi-stage mbarrier pipeline: one TMA box per tile when a page holds
-    whole KV tiles (page_size % tile_n == 0), else a cp.async gather of page rows;
-  * consumer (warpgroup 1, 200 registers): S = Q K^T (wgmma, SS), mask only on tiles
-    that need it, online softmax in registers, O += P V (wgmma, RS), epilogue to `out`
-    or, for a split of a long KV range, to fp32 partials; the CTA that finishes a split
-    group's last piece merges them (`split_merge`), so a batch is one launch.
+    whole KV tiles, else a cp.async gather of page rows;
+  * MMA warpgroups (the rest of the registers), each with its own 64 rows of Q:
+    S = Q K^T (wgmma SS), mask only on tiles that need it, online softmax in registers,
+    O += P V (wgmma RS), with S of tile n overlapping P V of tile n-1 (intra-warpgroup)
+    and one warpgroup's softmax overlapping the other's GEMMs (inter-warpgroup ping-pong
+    on named barriers).
+      - prefill item (up to 128 rows): each warpgroup owns 64 rows; both read every
+        K/V stage, so a K/V tile crosses L2 once per 128 rows;
+      - decode item (up to 64 rows, the whole GQA group x q_len): both warpgroups hold
+        the same rows and take alternate KV tiles (the owner of a tile releases its
+        stage for both), then fold their softmax states together in shared memory, so
+        both stream HBM.
+    Epilogue to `out`/`lse`, or for a split of a long KV range to fp32 partials; the CTA
+    that finishes a split group's last piece merges them (`split_merge`): one launch.
 """
 
 from functools import partial
@@ -33,15 +40,18 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
 from podcute import layouts
-from podcute.kernels.config import TileConfig
+from podcute.kernels.barriers import NamedBarrier
+from podcute.kernels.config import WARPGROUP_THREADS, KernelConfig
 from podcute.kernels.gather import RowGather
 from podcute.kernels.mask import apply_mask
+from podcute.kernels.metadata import Param
 from podcute.kernels.mma_utils import acc_as_operand_a_layout, rows_cols_view, warpgroup_gemm
-from podcute.kernels.softmax import LOG2_E, OnlineSoftmax, rescale_rows
+from podcute.kernels.softmax import LOG2_E, OnlineSoftmax, combine_rows, rescale_rows
 from podcute.kernels.split_merge import finish_split
 from podcute.kernels.work import WorkItem
 
-WARPGROUP = 128
+_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
+WG_ROWS = 64  # rows of one MMA warpgroup: one m64 wgmma
 
 
 def tile_smem_layout(dtype, rows: int, cols: int, stages: Optional[int] = None):
@@ -55,74 +65,86 @@ def tile_smem_layout(dtype, rows: int, cols: int, stages: Optional[int] = None):
 
 
 class PodAttentionSm90:
-    # setmaxnreg budget: two CTAs of 256 threads per SM share 64K registers, so a CTA
-    # starts at 128 per thread (launch cap) and moves them to the consumer warpgroup.
-    producer_regs = 56
-    consumer_regs = 200
-    ctas_per_sm = 2
-
-    def __init__(self, dtype, head_dim: int, group: int, causal: bool, has_lse: bool,
-                 tma_kv: bool):
-        self.dtype = dtype
-        self.tile = TileConfig.for_head_dim(head_dim)
-        self.head_dim = head_dim
-        self.group = group
-        self.causal = causal
-        self.has_lse = has_lse
-        self.tma_kv = tma_kv  # launch() picks it only when page_size % tile_n == 0
-        self.num_threads = 2 * WARPGROUP
+    def __init__(self, cfg: KernelConfig):
+        ok, why = cfg.can_implement()
+        if not ok:
+            raise ValueError(f"PodAttentionSm90: {why}")
+        self.cfg = cfg
+        self.dtype = _DTYPES[cfg.dtype]
+        self.head_dim = cfg.head_dim
+        self.group = cfg.group
+        self.causal = cfg.causal
+        self.has_lse = cfg.has_lse
+        self.tma_kv = cfg.tma_kv
+        self.tile_m = cfg.tile_m_prefill  # rows of sQ: every MMA warpgroup's 64
+        self.tile_n = cfg.tile_n
+        self.num_stages = cfg.num_stages
+        self.num_mma_wg = cfg.num_mma_warpgroups
+        self.num_mma_threads = cfg.num_mma_threads
+        assert cfg.tile_m_decode == WG_ROWS and self.tile_m == WG_ROWS * self.num_mma_wg
+        assert self.num_mma_wg == 2, "decode KV alternation and ping-pong assume 2"
 
     def _tiled_mmas(self):
-        tile_m, tile_n, d = self.tile.tile_m, self.tile.tile_n, self.head_dim
+        """One warpgroup's MMAs (each MMA warpgroup partitions its own 64-row slice)."""
+        tile_n, d = self.tile_n, self.head_dim
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
-            Float32, (1, 1, 1), (tile_m, tile_n),
+            Float32, (1, 1, 1), (WG_ROWS, tile_n),
         )
         # P comes from registers (RS wgmma); V is read transposed (MN-major) from smem.
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
-            Float32, (1, 1, 1), (tile_m, d), warpgroup.OperandSource.RMEM,
+            Float32, (1, 1, 1), (WG_ROWS, d), warpgroup.OperandSource.RMEM,
         )
         return tiled_mma_qk, tiled_mma_pv
 
     @cute.jit
     def __call__(
         self,
-        mQ: cute.Tensor,  # [total_q, Hq, D]
+        mQ: cute.Tensor,  # [T, Hq, D]
         mK: cute.Tensor,  # [pages, page_size, Hkv, D]: launch() passes HND as this view
         mV: cute.Tensor,
-        mO: cute.Tensor,  # [total_q, Hq, D]
-        mLSE: Optional[cute.Tensor],  # [total_q, Hq] fp32 or None
-        mWork: cute.Tensor,  # [items, 8] int32
+        mO: cute.Tensor,  # [T, Hq, D]
+        mLSE: Optional[cute.Tensor],  # [T, Hq] fp32 or None
+        mWork: cute.Tensor,  # [items, WORK_COLS] int32 (metadata.WorkCol)
         mCtaPtr: cute.Tensor,  # [grid + 1] int32
         mQStart: cute.Tensor,  # [B + 1] int32
         mKvLen: cute.Tensor,  # [B] int32
         mPageStart: cute.Tensor,  # [B] int32
-        mPageList: cute.Tensor,  # flat int32 page indices
+        mPageList: cute.Tensor,  # flat int32 page indices (plan-owned)
         mPartialO: cute.Tensor,  # [slots, tile_m, D] fp32
         mPartialLSE: cute.Tensor,  # [slots, tile_m] fp32
-        mMerge: cute.Tensor,  # [merges, 6] int32
+        mMerge: cute.Tensor,  # [merges, MERGE_COLS] int32 (metadata.MergeCol)
         mSlotMerge: cute.Tensor,  # [slots] int32: merge row of each split slot
         mMergeSem: cute.Tensor,  # [merges] int32 semaphores, zero between launches
-        sm_scale: Float32,
+        mParams: cute.Tensor,  # [NUM_PARAMS] fp32 (metadata.Param)
         page_size: Int32,
         num_ctas: Int32,
         stream: cuda.CUstream,
     ):
-        tile_m, tile_n, d = self.tile.tile_m, self.tile.tile_n, self.head_dim
+        tile_n, d = self.tile_n, self.head_dim
         tiled_mma_qk, tiled_mma_pv = self._tiled_mmas()
-        sQ_layout = tile_smem_layout(self.dtype, tile_m, d)
-        sK_layout = tile_smem_layout(self.dtype, tile_n, d, self.tile.num_stages)
-        sV_layout = tile_smem_layout(self.dtype, tile_n, d, self.tile.num_stages)
+        sQ_layout = tile_smem_layout(self.dtype, self.tile_m, d)
+        sK_layout = tile_smem_layout(self.dtype, tile_n, d, self.num_stages)
+        sV_layout = tile_smem_layout(self.dtype, tile_n, d, self.num_stages)
+        # Decode combine: one fp32 column per thread of a warpgroup (its O fragment, then
+        # its row maxima and partial row sums), so thread t of each warpgroup, which holds
+        # the same (row, col) positions, meets its twin without bank conflicts.
+        o_frag = WG_ROWS * d // WARPGROUP_THREADS
+        rows_per_thread = 2  # an m64 accumulator gives each thread 2 rows
+        scratch_layout = cute.make_layout(
+            (o_frag + 2 * rows_per_thread, WARPGROUP_THREADS), stride=(WARPGROUP_THREADS, 1))
 
         @cute.struct
         class SharedStorage:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.tile.num_stages]
-            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.tile.num_stages]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+            scratch: cute.struct.Align[
+                cute.struct.MemRange[Float32, cute.cosize(scratch_layout)], 128]
             merge_flag: cute.struct.MemRange[Int32, 1]
 
         self.shared_storage = SharedStorage
@@ -138,16 +160,17 @@ class PodAttentionSm90:
                 op, layouts.kv_tma_view(mV), cute.select(sV_layout, mode=[0, 1]), box)
         self.kernel(
             mQ, mK, mV, mO, mLSE, mWork, mCtaPtr, mQStart, mKvLen, mPageStart, mPageList,
-            mPartialO, mPartialLSE, mMerge, mSlotMerge, mMergeSem, sm_scale, page_size,
+            mPartialO, mPartialLSE, mMerge, mSlotMerge, mMergeSem, mParams, page_size,
             tma_atom_k, tma_atom_v, tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sV_layout,
+            scratch_layout,
         ).launch(
             grid=[num_ctas, 1, 1],
-            block=[self.num_threads, 1, 1],
+            block=[self.cfg.num_threads, 1, 1],
             stream=stream,
             # The register cap setmaxnreg needs (ptxas drops it without one).
-            min_blocks_per_mp=self.ctas_per_sm,
-            # Both CTAs of an SM need the full shared-memory carveout; saying so also
-            # keeps compilation free of device queries (cross-compiles without a GPU).
+            min_blocks_per_mp=self.cfg.ctas_per_sm,
+            # Saying so keeps compilation free of device queries (cross-compiles without
+            # a GPU); the CTA needs most of the SM's shared memory anyway.
             preferred_smem_carveout=100,
         )
 
@@ -170,7 +193,7 @@ class PodAttentionSm90:
         mMerge: cute.Tensor,
         mSlotMerge: cute.Tensor,
         mMergeSem: cute.Tensor,
-        sm_scale: Float32,
+        mParams: cute.Tensor,
         page_size: Int32,
         tma_atom_k: Optional[cute.CopyAtom],
         tma_atom_v: Optional[cute.CopyAtom],
@@ -179,13 +202,14 @@ class PodAttentionSm90:
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
+        scratch_layout: cute.Layout,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         smem = utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
 
-        producers = pipeline.CooperativeGroup(pipeline.Agent.Thread, WARPGROUP)
-        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, WARPGROUP)
+        producers = pipeline.CooperativeGroup(pipeline.Agent.Thread, WARPGROUP_THREADS)
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads)
         pipeline_q = pipeline.PipelineCpAsync.create(
             barrier_storage=storage.mbar_q.data_ptr(), num_stages=1,
             producer_group=producers, consumer_group=consumers, defer_sync=True,
@@ -208,36 +232,40 @@ class PodAttentionSm90:
         item_end = mCtaPtr[cta + 1]
 
         if warp_idx < 4:
-            cute.arch.setmaxregister_decrease(self.producer_regs)
+            cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
             self.produce(
                 mQ, mK, mV, mWork, mQStart, mKvLen, mPageStart, mPageList, page_size,
                 tma_atom_k, tma_atom_v, sQ, sK, sV, pipeline_q, pipeline_k, pipeline_v,
                 item_begin, item_end,
             )
         else:
-            cute.arch.setmaxregister_increase(self.consumer_regs)
+            cute.arch.setmaxregister_increase(self.cfg.mma_regs)
             self.consume(
                 mO, mLSE, mWork, mQStart, mKvLen, mPageStart, mPartialO, mPartialLSE,
                 mMerge, mSlotMerge, mMergeSem, storage.merge_flag.get_tensor(cute.make_layout(1)),
-                sm_scale, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV,
+                storage.scratch.get_tensor(scratch_layout), mParams[Param.SM_SCALE],
+                tiled_mma_qk, tiled_mma_pv, sQ, sK, sV,
                 pipeline_q, pipeline_k, pipeline_v, item_begin, item_end,
             )
 
     def _make_kv_pipeline(self, barriers, producers, consumers):
         if const_expr(self.tma_kv):
             # One elected thread arms the barrier with the tile's bytes; one thread per
-            # consumer warp releases a stage.
+            # MMA warp releases a stage.
             return pipeline.PipelineTmaAsync.create(
-                barrier_storage=barriers, num_stages=self.tile.num_stages,
+                barrier_storage=barriers, num_stages=self.num_stages,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, WARPGROUP // 32),
-                tx_count=self.tile.tile_n * self.head_dim * self.dtype.width // 8,
+                consumer_group=pipeline.CooperativeGroup(
+                    pipeline.Agent.Thread, self.num_mma_threads // 32),
+                tx_count=self.tile_n * self.head_dim * self.dtype.width // 8,
                 defer_sync=True,
             )
         return pipeline.PipelineCpAsync.create(
-            barrier_storage=barriers, num_stages=self.tile.num_stages,
+            barrier_storage=barriers, num_stages=self.num_stages,
             producer_group=producers, consumer_group=consumers, defer_sync=True,
         )
+
+    # ---- producer ---------------------------------------------------------------------
 
     @cute.jit
     def produce(
@@ -262,29 +290,35 @@ class PodAttentionSm90:
         item_begin: Int32,
         item_end: Int32,
     ):
-        tile_m, tile_n, d = self.tile.tile_m, self.tile.tile_n, self.head_dim
+        tile_n, d = self.tile_n, self.head_dim
         tidx = cute.arch.thread_idx()[0]
-        q_gather = RowGather.create(self.dtype, tile_m, d, WARPGROUP, tidx)
-        kv_gather = RowGather.create(self.dtype, tile_n, d, WARPGROUP, tidx)
+        q_gather = RowGather.create(self.dtype, self.tile_m, d, WARPGROUP_THREADS, tidx)
+        kv_gather = RowGather.create(self.dtype, tile_n, d, WARPGROUP_THREADS, tidx)
         page_divisor = cute.FastDivmodDivisor(page_size)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         kv_state = pipeline.make_pipeline_state(
-            pipeline.PipelineUserType.Producer, self.tile.num_stages
+            pipeline.PipelineUserType.Producer, self.num_stages
         )
         for i in cutlass.range(item_begin, item_end, unroll=1):
             item = WorkItem.load(mWork, mQStart, mKvLen, mPageStart, i)
-            # Q: rows past the item's end repeat its last row (valid memory, never stored).
+            # Q: a prefill item's rows fill the tile (each MMA warpgroup reads its 64); a
+            # decode item's rows go to both halves (both warpgroups hold all of them).
+            # Rows past the item's end repeat its last row (valid memory, never stored).
             mQ_rows = layouts.packed_rows(mQ, item.q_start, item.q_len, item.kv_head, self.group)
             last_row = item.row_end - 1
+            row_mask = Int32(self.tile_m - 1)
+            if item.is_decode:
+                row_mask = Int32(WG_ROWS - 1)
             pipeline_q.producer_acquire(q_state)
             q_gather.copy_rows(
-                sQ, lambda r: mQ_rows[cutlass.min(item.row_start + r, last_row), None]
+                sQ,
+                lambda m, r: mQ_rows[cutlass.min(item.row_start + (r & row_mask), last_row), None],
             )
             cute.arch.cp_async_commit_group()
             pipeline_q.producer_commit(q_state)
             q_state.advance()
 
-            n_min, n_max = item.n_block_range(tile_n)
+            n_min, n_max, _ = item.tile_bounds(item.row_start, self.group, self.causal, tile_n)
             if const_expr(self.tma_kv):
                 if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0:
                     kv_state = self.produce_kv_tma(
@@ -302,7 +336,7 @@ class PodAttentionSm90:
                        sK, sV, pipeline_k, pipeline_v, kv_state, item: WorkItem,
                        n_min: Int32, n_max: Int32):
         """One TMA box per K and V tile, issued by one warp (page_size % tile_n == 0)."""
-        tile_n = self.tile.tile_n
+        tile_n = self.tile_n
         tKsK, tKgK = self._tma_tiles(tma_atom_k, mK, sK, item.kv_head)
         tVsV, tVgV = self._tma_tiles(tma_atom_v, mV, sV, item.kv_head)
         for n_block in cutlass.range(n_min, n_max, unroll=1):
@@ -323,7 +357,7 @@ class PodAttentionSm90:
     def _tma_tiles(self, tma_atom, mX_tma, sX, kv_head):
         """(smem stages, gmem tiles indexed by (tile within page, page)) for one KV head."""
         gX = cute.local_tile(mX_tma[None, None, kv_head, None],
-                             (self.tile.tile_n, self.head_dim), (None, 0, None))
+                             (self.tile_n, self.head_dim), (None, 0, None))
         return cpasync.tma_partition(
             tma_atom, 0, cute.make_layout(1),
             cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2),
@@ -335,34 +369,37 @@ class PodAttentionSm90:
                           n_min: Int32, n_max: Int32):
         """cp.async gather of K/V page rows by the whole producer warpgroup.
 
-        Rows past kv_end re-read the item's last token (layouts.clamp_token): the
-        consumer masks them, and no garbage/NaN slot is ever read.
+        Each thread looks up the pages of its rows once per tile (K and V share them) and
+        keeps them in registers. Rows past kv_end re-read the item's last token
+        (layouts.clamp_token): the consumer masks them, and no garbage/NaN slot is read.
         """
-        tile_n = self.tile.tile_n
+        tile_n = self.tile_n
+        pages = cute.make_rmem_tensor(kv_gather.rows_per_thread, Int32)
         for n_block in cutlass.range(n_min, n_max, unroll=1):
             first_token = n_block * tile_n
+            for m in cutlass.range_constexpr(kv_gather.rows_per_thread):
+                token = layouts.clamp_token(first_token, kv_gather.row(m), item.kv_end)
+                pages[m], _ = layouts.kv_locate(mPageList, item.page_start, token, page_divisor)
+
+            def row_of(mKV):
+                def gmem_row(m, r):
+                    token = layouts.clamp_token(first_token, r, item.kv_end)
+                    _, slot = layouts.split_token(token, page_divisor)
+                    return layouts.kv_row_at(mKV, pages[m], slot, item.kv_head)
+                return gmem_row
+
             pipeline_k.producer_acquire(kv_state)
-            kv_gather.copy_rows(
-                sK[None, None, kv_state.index],
-                lambda r: layouts.kv_row_clamped(
-                    mK, mPageList, item.page_start, first_token, r, item.kv_end,
-                    item.kv_head, page_divisor,
-                ),
-            )
+            kv_gather.copy_rows(sK[None, None, kv_state.index], row_of(mK))
             cute.arch.cp_async_commit_group()
             pipeline_k.producer_commit(kv_state)
             pipeline_v.producer_acquire(kv_state)
-            kv_gather.copy_rows(
-                sV[None, None, kv_state.index],
-                lambda r: layouts.kv_row_clamped(
-                    mV, mPageList, item.page_start, first_token, r, item.kv_end,
-                    item.kv_head, page_divisor,
-                ),
-            )
+            kv_gather.copy_rows(sV[None, None, kv_state.index], row_of(mV))
             cute.arch.cp_async_commit_group()
             pipeline_v.producer_commit(kv_state)
             kv_state.advance()
         return kv_state
+
+    # ---- MMA warpgroups ---------------------------------------------------------------
 
     @cute.jit
     def consume(
@@ -379,6 +416,7 @@ class PodAttentionSm90:
         mSlotMerge: cute.Tensor,
         mMergeSem: cute.Tensor,
         sFlag: cute.Tensor,
+        sScratch: cute.Tensor,
         sm_scale: Float32,
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
@@ -391,133 +429,207 @@ class PodAttentionSm90:
         item_begin: Int32,
         item_end: Int32,
     ):
-        tile_m, tile_n, d = self.tile.tile_m, self.tile.tile_n, self.head_dim
-        tidx = cute.arch.thread_idx()[0] - WARPGROUP
+        tile_n, d = self.tile_n, self.head_dim
+        mma_tidx = cute.arch.thread_idx()[0] - WARPGROUP_THREADS  # 0 .. num_mma_threads
+        wg = cute.arch.make_warp_uniform(mma_tidx // WARPGROUP_THREADS)
+        tidx = mma_tidx % WARPGROUP_THREADS
         thr_mma_qk = tiled_mma_qk.get_slice(tidx)
         thr_mma_pv = tiled_mma_pv.get_slice(tidx)
+        # This warpgroup's 64 rows of Q (a decode item's rows sit in both halves).
+        sQ_wg = cute.local_tile(sQ, (WG_ROWS, d), (wg, 0))
         # V^T view (D, tile_n) of the row-major V tile: the MN-major B operand of P @ V.
         sVt = cute.composition(
-            sV, cute.make_ordered_layout((d, tile_n, self.tile.num_stages), order=(1, 0, 2))
+            sV, cute.make_ordered_layout((d, tile_n, self.num_stages), order=(1, 0, 2))
         )
-        tSrQ = thr_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sQ))
+        tSrQ = thr_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sQ_wg))
         tSrK = thr_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sK))
         tOrVt = thr_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sVt))
-        acc_shape_S = thr_mma_qk.partition_shape_C((tile_m, tile_n))
-        acc_O = cute.make_rmem_tensor(thr_mma_pv.partition_shape_C((tile_m, d)), Float32)
-        tScS = thr_mma_qk.partition_C(cute.make_identity_tensor((tile_m, tile_n)))
-        tOcO = thr_mma_pv.partition_C(cute.make_identity_tensor((tile_m, d)))
+        acc_shape_S = thr_mma_qk.partition_shape_C((WG_ROWS, tile_n))
+        acc_O = cute.make_rmem_tensor(thr_mma_pv.partition_shape_C((WG_ROWS, d)), Float32)
+        tScS = thr_mma_qk.partition_C(cute.make_identity_tensor((WG_ROWS, tile_n)))
+        tOcO = thr_mma_pv.partition_C(cute.make_identity_tensor((WG_ROWS, d)))
         softmax = OnlineSoftmax.create(
             cute.size(rows_cols_view(acc_O), mode=[0]), sm_scale * LOG2_E
         )
-
-        # P of the previous KV tile, as the register A operand of the P V wgmma.
+        # P of the previous own KV tile, as the register A operand of the P V wgmma.
         rP = cute.make_rmem_tensor(acc_shape_S, self.dtype)
         tOrP = cute.make_tensor(rP.iterator, acc_as_operand_a_layout(rP.layout))
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        # K and V stages are filled in step; V is consumed one tile behind K.
-        k_state = pipeline.make_pipeline_state(
-            pipeline.PipelineUserType.Consumer, self.tile.num_stages
-        )
-        v_state = pipeline.make_pipeline_state(
-            pipeline.PipelineUserType.Consumer, self.tile.num_stages
-        )
+        # K and V stages are filled in step; V of an own tile is consumed after the QK of
+        # the next own tile. Both states walk every tile of every item (own or not).
+        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                               self.num_stages)
+        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                               self.num_stages)
+        schedule_barrier = Int32(NamedBarrier.SCHEDULE) + wg
+        other_barrier = Int32(NamedBarrier.SCHEDULE) + 1 - wg
+        # Ping-pong: warpgroup 0 takes the first turn (pre-paid arrival on its barrier).
+        if wg == 0:
+            cute.arch.barrier_arrive(barrier_id=schedule_barrier,
+                                     number_of_threads=self.num_mma_threads)
+
         for i in cutlass.range(item_begin, item_end, unroll=1):
             item = WorkItem.load(mWork, mQStart, mKvLen, mPageStart, i)
-            n_min, n_max = item.n_block_range(tile_n)
-            causal_offset = item.kv_len - item.q_len
-            # Tiles from mask_from on hold a key past kv_end or past the first row's
-            # causal limit; earlier tiles are fully visible to every row of the item.
-            visible = item.kv_end
-            if const_expr(self.causal):
-                visible = cutlass.min(visible, causal_offset + item.row_start // self.group + 1)
-            mask_from = visible // tile_n
+            decode = Int32(item.is_decode)
+            # Rows of this warpgroup: its own 64 (prefill) or all of the item's (decode).
+            row_offset = wg * WG_ROWS * (1 - decode)
+            n_min, n_max, mask_from = item.tile_bounds(
+                item.row_start + row_offset, self.group, self.causal, tile_n)
+            # Own tiles: every tile (prefill) or every other one from n_min + wg (decode);
+            # a decode tile's owner releases its stage twice (for itself and its twin).
+            step = 1 + decode
+            own_first = cutlass.min(n_min + wg * decode, n_max)
+            releases = step
+            k_state.advance(own_first - n_min)
+            v_state.advance(own_first - n_min)
 
             softmax.reset()
             acc_O.fill(0.0)
             pipeline_q.consumer_wait(q_state)
-            # cp.async wrote sQ/sK/sV through the generic proxy; wgmma reads via the async one.
-            cute.arch.fence_view_async_shared()
             mask_tile = partial(
-                apply_mask, tScS=tScS, row_start=item.row_start, kv_end=item.kv_end,
-                causal_offset=causal_offset, group=self.group, causal=self.causal,
+                apply_mask, tScS=tScS, row_start=item.row_start + row_offset,
+                kv_end=item.kv_end, causal_offset=item.kv_len - item.q_len, group=self.group,
+                causal=self.causal,
             )
-            if n_max > n_min:
-                # Intra-warpgroup overlap: S of tile n is computed (wgmma) while P V of
-                # tile n-1 runs, and the softmax of tile n overlaps that P V.
-                acc_S = self.qk_tile(tiled_mma_qk, tSrQ, tSrK, acc_shape_S, pipeline_k, k_state)
+            if own_first < n_max:
+                # First own tile: S only (O is still zero).
+                pipeline_k.consumer_wait(k_state)
+                # cp.async wrote sQ/sK through the generic proxy; wgmma reads via the async one.
+                cute.arch.fence_view_async_shared()
+                acc_S = self.qk_gemm(tiled_mma_qk, tSrQ, tSrK, acc_shape_S, k_state)
                 warpgroup.wait_group(0)
-                pipeline_k.consumer_release(k_state)
-                k_state.advance()
-                if n_min >= mask_from:
-                    mask_tile(acc_S, col_start=n_min * tile_n)
-                softmax.update(acc_S)  # O is still zero: nothing to rescale
+                self.release(pipeline_k, k_state, releases)
+                if own_first >= mask_from:
+                    mask_tile(acc_S, col_start=own_first * tile_n)
+                softmax.update(acc_S)
                 rP.store(acc_S.load().to(self.dtype))
-                for n_block in cutlass.range(n_min + 1, n_max, unroll=1):
-                    acc_S = self.qk_tile(
-                        tiled_mma_qk, tSrQ, tSrK, acc_shape_S, pipeline_k, k_state
-                    )
-                    self.pv_tile(tiled_mma_pv, acc_O, tOrP, tOrVt, pipeline_v, v_state)
+                for n_block in cutlass.range(own_first + step, n_max, step, unroll=1):
+                    k_state.advance(step)
+                    pipeline_k.consumer_wait(k_state)
+                    cute.arch.fence_view_async_shared()
+                    if decode == 0:
+                        cute.arch.barrier(barrier_id=schedule_barrier,
+                                          number_of_threads=self.num_mma_threads)
+                    acc_S = self.qk_gemm(tiled_mma_qk, tSrQ, tSrK, acc_shape_S, k_state)
+                    pipeline_v.consumer_wait(v_state)
+                    warpgroup_gemm(tiled_mma_pv, acc_O, tOrP,
+                                   tOrVt[None, None, None, v_state.index], False)
+                    if decode == 0:
+                        cute.arch.barrier_arrive(barrier_id=other_barrier,
+                                                 number_of_threads=self.num_mma_threads)
                     warpgroup.wait_group(1)  # S done; P V still running
-                    pipeline_k.consumer_release(k_state)
-                    k_state.advance()
+                    self.release(pipeline_k, k_state, releases)
                     if n_block >= mask_from:
                         mask_tile(acc_S, col_start=n_block * tile_n)
                     row_scale = softmax.update(acc_S)
                     warpgroup.wait_group(0)  # P V done: O and rP are free
-                    pipeline_v.consumer_release(v_state)
-                    v_state.advance()
+                    self.release(pipeline_v, v_state, releases)
+                    v_state.advance(step)
                     rescale_rows(acc_O, row_scale)
                     rP.store(acc_S.load().to(self.dtype))
+                # Last own tile's P V. v_state is at the last own tile.
+                pipeline_v.consumer_wait(v_state)
                 if const_expr(self.tma_kv):
                     # A TMA box brings the whole page tail: slots past kv_len may hold
                     # garbage (NaN), and P = 0 times NaN is NaN, so zero those V rows.
-                    if n_max * tile_n > item.kv_end:
-                        pipeline_v.consumer_wait(v_state)
-                        self.zero_rows(sV[None, None, v_state.index],
-                                       item.kv_end - (n_max - 1) * tile_n, tidx)
-                self.pv_tile(tiled_mma_pv, acc_O, tOrP, tOrVt, pipeline_v, v_state)
+                    last_own = own_first + (n_max - 1 - own_first) // step * step
+                    if last_own * tile_n + tile_n > item.kv_end:
+                        self.zero_v_tail(sV[None, None, v_state.index],
+                                         item.kv_end - last_own * tile_n, mma_tidx, wg, decode)
+                cute.arch.fence_view_async_shared()
+                warpgroup_gemm(tiled_mma_pv, acc_O, tOrP,
+                               tOrVt[None, None, None, v_state.index], False)
                 warpgroup.wait_group(0)
-                pipeline_v.consumer_release(v_state)
-                v_state.advance()
+                self.release(pipeline_v, v_state, releases)
+                # Both states move on from the last own tile to the next item's first.
+                rest = n_max - (own_first + (n_max - 1 - own_first) // step * step)
+                k_state.advance(rest)
+                v_state.advance(rest)
+            else:
+                k_state.advance(n_max - own_first)
+                v_state.advance(n_max - own_first)
             pipeline_q.consumer_release(q_state)
             q_state.advance()
 
+            if decode != 0:
+                # Fold warpgroup 1's softmax state and O into warpgroup 0's.
+                self.combine_decode(softmax, acc_O, sScratch, tidx, wg)
             inv_sum, lse = softmax.finalize(sm_scale)
             rescale_rows(acc_O, inv_sum)
-            self.epilogue(acc_O, lse, tOcO, item, mO, mLSE, mPartialO, mPartialLSE, tidx)
+            if decode * wg == 0:  # prefill: each warpgroup its rows; decode: warpgroup 0
+                self.epilogue(acc_O, lse, tOcO, item, row_offset, mO, mLSE, mPartialO,
+                              mPartialLSE, tidx)
             if item.split_slot >= 0:
                 finish_split(
                     mO, mLSE, mPartialO, mPartialLSE, mMerge, mSlotMerge, mMergeSem, mQStart,
-                    sFlag, item.split_slot, self.group, d, tidx, WARPGROUP, barrier_id=2,
+                    sFlag, item.split_slot, self.group, d, mma_tidx, self.num_mma_threads,
+                    barrier_id=NamedBarrier.MMA,
                 )
 
     @cute.jit
-    def qk_tile(self, tiled_mma_qk, tSrQ, tSrK, acc_shape_S, pipeline_k, k_state):
-        """Wait for K tile `k_state` and issue S = Q K^T (asynchronous; caller waits)."""
-        pipeline_k.consumer_wait(k_state)
-        cute.arch.fence_view_async_shared()
+    def release(self, pipe, state, count: Int32):
+        """Release a K/V stage `count` times: 1 when every MMA warpgroup reads it, 2 when
+        its decode owner releases for both (the other never waits on it)."""
+        pipe.consumer_release(state)
+        if count > 1:
+            pipe.consumer_release(state)
+
+    @cute.jit
+    def qk_gemm(self, tiled_mma_qk, tSrQ, tSrK, acc_shape_S, k_state):
+        """Issue S = Q K^T on K stage `k_state` (asynchronous; the caller waits)."""
         acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
         warpgroup_gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, k_state.index], True)
         return acc_S
 
     @cute.jit
-    def pv_tile(self, tiled_mma_pv, acc_O, tOrP, tOrVt, pipeline_v, v_state):
-        """Wait for V tile `v_state` and issue O += P V (asynchronous; caller waits)."""
-        pipeline_v.consumer_wait(v_state)
-        cute.arch.fence_view_async_shared()
-        warpgroup_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index], False)
+    def zero_v_tail(self, sX: cute.Tensor, first_row: Int32, mma_tidx: Int32, wg: Int32,
+                    decode: Int32):
+        """Zero rows [first_row, tile_n) of a (tile_n, D) V stage before P V reads it: both
+        MMA warpgroups together when both read the stage (prefill), else its owner."""
+        d = self.head_dim
+        if decode != 0:
+            for i in cutlass.range(mma_tidx % WARPGROUP_THREADS, self.tile_n * d,
+                                   WARPGROUP_THREADS, unroll=1):
+                if i // d >= first_row:
+                    sX[i // d, i % d] = self.dtype(0.0)
+            # Each writer orders its zeros for the async proxy (wgmma) before the barrier.
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=Int32(NamedBarrier.WARPGROUP) + wg,
+                              number_of_threads=WARPGROUP_THREADS)
+        else:
+            for i in cutlass.range(mma_tidx, self.tile_n * d, self.num_mma_threads, unroll=1):
+                if i // d >= first_row:
+                    sX[i // d, i % d] = self.dtype(0.0)
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=NamedBarrier.MMA, number_of_threads=self.num_mma_threads)
 
     @cute.jit
-    def zero_rows(self, sX: cute.Tensor, first_row: Int32, tidx: Int32):
-        """Zero rows [first_row, tile_n) of a (tile_n, D) smem tile (consumer warpgroup)."""
-        d = self.head_dim
-        for i in cutlass.range(tidx, self.tile.tile_n * d, WARPGROUP, unroll=1):
-            row = i // d
-            if row >= first_row:
-                sX[row, i % d] = self.dtype(0.0)
-        # Every consumer thread's zeros must land before the warpgroup's wgmma reads V
-        # (the caller's proxy fence orders them for the async proxy).
-        cute.arch.barrier(barrier_id=1, number_of_threads=WARPGROUP)
+    def combine_decode(self, softmax: OnlineSoftmax, acc_O: cute.Tensor, sScratch: cute.Tensor,
+                       tidx: Int32, wg: Int32):
+        """Warpgroup 1 hands its (row max, partial row sums, O) to warpgroup 0 through
+        shared memory, thread t to thread t (same fragment positions); warpgroup 0 folds
+        them into its own. Two MMA barriers: hand-over, and scratch free again."""
+        n_o = cute.size(acc_O)
+        n_r = cute.size(softmax.row_max)
+        if wg == 1:
+            for j in cutlass.range_constexpr(n_o):
+                sScratch[j, tidx] = acc_O[j]
+            for r in cutlass.range_constexpr(n_r):
+                sScratch[n_o + r, tidx] = softmax.row_max[r]
+                sScratch[n_o + n_r + r, tidx] = softmax.row_sum[r]
+        cute.arch.barrier(barrier_id=NamedBarrier.MMA, number_of_threads=self.num_mma_threads)
+        if wg == 0:
+            other_O = cute.make_rmem_tensor_like(acc_O, Float32)
+            other_max = cute.make_rmem_tensor_like(softmax.row_max, Float32)
+            other_sum = cute.make_rmem_tensor_like(softmax.row_sum, Float32)
+            for j in cutlass.range_constexpr(n_o):
+                other_O[j] = sScratch[j, tidx]
+            for r in cutlass.range_constexpr(n_r):
+                other_max[r] = sScratch[n_o + r, tidx]
+                other_sum[r] = sScratch[n_o + n_r + r, tidx]
+            scale_self, scale_other = softmax.merge(other_max, other_sum)
+            combine_rows(acc_O, scale_self, other_O, scale_other)
+        cute.arch.barrier(barrier_id=NamedBarrier.MMA, number_of_threads=self.num_mma_threads)
 
     @cute.jit
     def epilogue(
@@ -526,13 +638,15 @@ class PodAttentionSm90:
         lse: cute.Tensor,
         tOcO: cute.Tensor,
         item: WorkItem,
+        row_offset: Int32,
         mO: cute.Tensor,
         mLSE: Optional[cute.Tensor],
         mPartialO: cute.Tensor,
         mPartialLSE: cute.Tensor,
         tidx: Int32,
     ):
-        """Write this thread's rows of O (and LSE, from one thread of each row's quad)."""
+        """Write this thread's rows of O (and LSE, from one thread of each row's quad);
+        tile row `row_offset + r` is packed row `row_start + row_offset + r` of the item."""
         tOcO_mn = rows_cols_view(tOcO)
         n_rows = item.row_end - item.row_start
         quad_leader = tidx % 4 == 0
@@ -541,7 +655,7 @@ class PodAttentionSm90:
             gO = layouts.partial_rows(mPartialO, item.split_slot)
             gLSE = layouts.partial_lse(mPartialLSE, item.split_slot)
             for r in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[0])):
-                row = tOcO_mn[r, 0][0]
+                row = row_offset + tOcO_mn[r, 0][0]
                 if row < n_rows:
                     for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
                         gO[row, tOcO_mn[0, c][1]] = acc_O_mn[r, c]
@@ -553,7 +667,7 @@ class PodAttentionSm90:
             rO_mn = rows_cols_view(rO)
             gO = layouts.packed_rows(mO, item.q_start, item.q_len, item.kv_head, self.group)
             for r in cutlass.range_constexpr(cute.size(rO_mn, mode=[0])):
-                row = tOcO_mn[r, 0][0]
+                row = row_offset + tOcO_mn[r, 0][0]
                 if row < n_rows:
                     packed_row = item.row_start + row
                     for c in cutlass.range_constexpr(cute.size(rO_mn, mode=[1])):

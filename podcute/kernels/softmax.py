@@ -61,6 +61,28 @@ class OnlineSoftmax:
         return row_scale
 
     @cute.jit
+    def merge(self, other_max: cute.Tensor, other_sum: cute.Tensor) -> tuple:
+        """Fold another running softmax of the same rows over disjoint keys into this one
+        (the decode combine of two warpgroups). `other_sum` is the other thread's partial
+        sum, like this one's. Returns the per-row factors for (this O, the other O)."""
+        scale_self = cute.make_rmem_tensor_like(self.row_max, Float32)
+        scale_other = cute.make_rmem_tensor_like(self.row_max, Float32)
+        for r in cutlass.range_constexpr(cute.size(self.row_max)):
+            m_self, m_other = self.row_max[r], other_max[r]
+            m = cutlass.max(m_self, m_other)
+            safe_max = m  # both -inf (no key seen by either): factors exp2(-inf) = 0
+            if m == -Float32.inf:
+                safe_max = Float32(0.0)
+            max_scaled = safe_max * self.scale_log2
+            s_self = cute.math.exp2(m_self * self.scale_log2 - max_scaled, fastmath=True)
+            s_other = cute.math.exp2(m_other * self.scale_log2 - max_scaled, fastmath=True)
+            self.row_max[r] = m
+            self.row_sum[r] = self.row_sum[r] * s_self + other_sum[r] * s_other
+            scale_self[r] = s_self
+            scale_other[r] = s_other
+        return scale_self, scale_other
+
+    @cute.jit
     def finalize(self, sm_scale: Float32) -> tuple:
         """Return (1/row_sum, natural-log LSE) per row; rows that saw no key get 0 and -inf."""
         inv_sum = cute.make_rmem_tensor_like(self.row_sum, Float32)
@@ -84,3 +106,14 @@ def rescale_rows(acc: cute.Tensor, row_scale: cute.Tensor):
     for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
         for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
             acc_mn[r, c] = acc_mn[r, c] * row_scale[r]
+
+
+@cute.jit
+def combine_rows(acc: cute.Tensor, scale: cute.Tensor, other: cute.Tensor,
+                 other_scale: cute.Tensor):
+    """acc = acc * scale[row] + other * other_scale[row] (same fragment layout)."""
+    acc_mn = rows_cols_view(acc)
+    other_mn = rows_cols_view(other)
+    for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+        for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+            acc_mn[r, c] = acc_mn[r, c] * scale[r] + other_mn[r, c] * other_scale[r]

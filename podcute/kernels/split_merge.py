@@ -12,6 +12,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from podcute import layouts
+from podcute.kernels.metadata import MergeCol
 
 COLS_PER_THREAD = 4
 
@@ -77,7 +78,7 @@ def finish_split(
     mLSE: Optional[cute.Tensor],
     mPartialO: cute.Tensor,
     mPartialLSE: cute.Tensor,
-    mMerge: cute.Tensor,  # [merges, 6]: req, kv_head, row_start, row_end, first_slot, splits
+    mMerge: cute.Tensor,  # [merges, MERGE_COLS] (metadata.MergeCol)
     mSlotMerge: cute.Tensor,  # [slots]: merge row of each split slot
     mMergeSem: cute.Tensor,  # [merges] int32, zero between launches
     mQStart: cute.Tensor,
@@ -97,7 +98,7 @@ def finish_split(
     partials, then resets the semaphore so the next launch starts from zero.
     """
     m = mSlotMerge[split_slot]
-    num_splits = mMerge[m, 5]
+    num_splits = mMerge[m, MergeCol.NUM_SPLITS]
     cute.arch.fence_acq_rel_gpu()
     cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
     if tidx == 0:
@@ -106,17 +107,18 @@ def finish_split(
     cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
     if sFlag[0] != 0:
         cute.arch.fence_acq_rel_gpu()
-        req = mMerge[m, 0]
-        kv_head = mMerge[m, 1]
-        row_start = mMerge[m, 2]
+        req = mMerge[m, MergeCol.REQ]
+        kv_head = mMerge[m, MergeCol.KV_HEAD]
+        row_start = mMerge[m, MergeCol.ROW_START]
         q_start = mQStart[req]
         q_len = mQStart[req + 1] - q_start
         gO = layouts.packed_rows(mO, q_start, q_len, kv_head, group)
         gLSE = None
         if const_expr(mLSE is not None):
             gLSE = layouts.packed_lse(mLSE, q_start, q_len, kv_head, group)
-        merge_group(gO, gLSE, mPartialO, mPartialLSE, row_start, mMerge[m, 3] - row_start,
-                    mMerge[m, 4], num_splits, tidx, num_threads, head_dim)
+        merge_group(gO, gLSE, mPartialO, mPartialLSE, row_start,
+                    mMerge[m, MergeCol.ROW_END] - row_start, mMerge[m, MergeCol.FIRST_SLOT],
+                    num_splits, tidx, num_threads, head_dim)
         if tidx == 0:
             mMergeSem[m] = Int32(0)
     # sFlag is rewritten by the next split this warpgroup finishes.

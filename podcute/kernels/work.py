@@ -1,10 +1,13 @@
-"""One work item of the plan, as the kernel reads it (layout in docs/design.md)."""
+"""One work item of the plan, as the kernel reads it (columns in metadata.py)."""
 
 from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
+
+from podcute.kernels.metadata import Kind, WorkCol
+from podcute.kernels.visibility import tile_bounds
 
 
 @dataclass(frozen=True)
@@ -18,6 +21,7 @@ class WorkItem:
     kv_start: Int32
     kv_end: Int32
     split_slot: Int32  # -1: write out/lse; >= 0: write fp32 partials for the merge
+    is_decode: cutlass.Boolean  # Kind.DECODE: the MMA warpgroups split the KV tiles
     q_start: Int32
     q_len: Int32
     kv_len: Int32
@@ -26,24 +30,25 @@ class WorkItem:
     @staticmethod
     def load(mWork: cute.Tensor, mQStart: cute.Tensor, mKvLen: cute.Tensor,
              mPageStart: cute.Tensor, idx: Int32) -> "WorkItem":
-        req = mWork[idx, 0]
+        req = mWork[idx, WorkCol.REQ]
         q_start = mQStart[req]
         return WorkItem(
             req=req,
-            kv_head=mWork[idx, 1],
-            row_start=mWork[idx, 2],
-            row_end=mWork[idx, 3],
-            kv_start=mWork[idx, 4],
-            kv_end=mWork[idx, 5],
-            split_slot=mWork[idx, 6],
+            kv_head=mWork[idx, WorkCol.KV_HEAD],
+            row_start=mWork[idx, WorkCol.ROW_START],
+            row_end=mWork[idx, WorkCol.ROW_END],
+            kv_start=mWork[idx, WorkCol.KV_START],
+            kv_end=mWork[idx, WorkCol.KV_END],
+            split_slot=mWork[idx, WorkCol.SPLIT_SLOT],
+            is_decode=mWork[idx, WorkCol.KIND] == Int32(Kind.DECODE),
             q_start=q_start,
             q_len=mQStart[req + 1] - q_start,
             kv_len=mKvLen[req],
             page_start=mPageStart[req],
         )
 
-    def n_block_range(self, tile_n: int):
-        """KV tiles [n_min, n_max) the item covers (empty when kv_end <= kv_start)."""
-        n_min = self.kv_start // tile_n
-        n_max = cutlass.max((self.kv_end + tile_n - 1) // tile_n, n_min)
-        return n_min, n_max
+    def tile_bounds(self, row_start, group: int, causal: bool, tile_n: int):
+        """(n_min, n_max, mask_from) of this item's KV tiles for rows from `row_start`
+        (visibility.tile_bounds: the one device definition)."""
+        return tile_bounds(self.kv_start, self.kv_end, self.kv_len, self.q_len, row_start,
+                           group, causal, tile_n)

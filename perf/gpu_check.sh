@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# One call on the H200 (from the repo root, GPU bundle in .device/, see ../shared/device):
+#
+#   bash perf/gpu_check.sh STEP...      STEP: demo kernel graph memcheck racecheck
+#                                             synccheck quick-bench bench
+#
+# Installs podcute, loads the kernel cache carried in .device/pcache (perf/warm_cache.py
+# fills it on a CPU machine), runs the steps in order (each under a timeout), and writes
+# logs and JSON under $OUT. Env: PODCUTE_GPU_RANDOM (kernel sweep size, default 200),
+# PODCUTE_GRAPH_PAIRS (default 60), BENCH_ARGS (extra perf.bench arguments).
+set -u
+OUT=${OUT:-/tmp/podcute-out}
+mkdir -p "$OUT"
+source .device/gpu-env.sh
+pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1
+export PODCUTE_CACHE_DIR=$PWD/.device/pcache PODCUTE_COMPILE_LOG=$OUT/compiles.log
+export PYTHONUNBUFFERED=1 CUTE_DSL_ARCH=sm_90a
+if ! python -c "import podcute.layouts" 2>>"$OUT/install.log"; then
+  # An old setuptools installs editable packages as a path entry, which cannot map
+  # layouts/ to podcute.layouts: link it into this copy of the tree instead.
+  echo "editable install does not map podcute.layouts; linking it" | tee -a "$OUT/install.log"
+  ln -sfn ../layouts podcute/layouts
+fi
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader | tee "$OUT/gpu.txt"
+
+status=0
+step() {  # step NAME SECONDS CMD...: run, log, record the exit code
+  local name=$1 secs=$2; shift 2
+  echo "=== $name" | tee -a "$OUT/summary.txt"
+  local t0=$SECONDS
+  timeout "$secs" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n 12 "$OUT/$name.log"
+  echo "=== $name rc=$rc $((SECONDS - t0))s" | tee -a "$OUT/summary.txt"
+  [ $rc -eq 0 ] || status=1
+  return $rc
+}
+
+for s in "$@"; do
+  case $s in
+    demo) step demo 120 python -m podcute demo || break ;;
+    kernel) step kernel 420 env PODCUTE_GPU_REPORT="$OUT/kernel_report.json" \
+        python -m pytest -q -x -m gpu tests/test_kernel_gpu.py ;;
+    graph) step graph 300 env PODCUTE_GPU_REPORT="$OUT/graph_report.json" \
+        python -m pytest -q -x -m gpu tests/test_graph_gpu.py ;;
+    memcheck) step memcheck 300 compute-sanitizer --tool memcheck --error-exitcode 3 \
+        python tests/gpu_sanitize.py ;;
+    racecheck) step racecheck 400 compute-sanitizer --tool racecheck --error-exitcode 3 \
+        python tests/gpu_sanitize.py --small ;;
+    synccheck) step synccheck 300 compute-sanitizer --tool synccheck --error-exitcode 3 \
+        python tests/gpu_sanitize.py --small ;;
+    quick-bench) step quick-bench 400 python -m perf.bench --quick --no-sweep \
+        --out "$OUT/bench" ${BENCH_ARGS:-} ;;
+    bench) step bench 580 python -m perf.bench --out "$OUT/bench" ${BENCH_ARGS:-} ;;
+    *) echo "unknown step $s"; status=2 ;;
+  esac
+done
+exit $status

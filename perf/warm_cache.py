@@ -1,0 +1,64 @@
+"""Compile, on a machine without a GPU, the kernel variants a device run needs (the GPU
+tests, tests/gpu_sanitize.py, the demo and the benchmark), so the H200 loads them from
+the carried cache instead of compiling:
+
+    CUTE_DSL_ARCH=sm_90a PODCUTE_CACHE_DIR=.device/pcache python -m perf.warm_cache [-j 2]
+
+(`.device/` is git-ignored and carried to the device; set PODCUTE_CACHE_DIR there too.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+# (dtype, head_dim, group, causal, has_lse, page_size); the page size stands for its class.
+VARIANTS = sorted({
+    # tests/test_kernel_gpu.py
+    ("bfloat16", 128, 4, True, True, 16), ("float16", 128, 4, True, True, 16),
+    ("bfloat16", 64, 4, True, True, 16), ("float16", 64, 1, True, True, 64),
+    ("bfloat16", 128, 1, True, True, 1), ("bfloat16", 128, 7, True, True, 64),
+    ("bfloat16", 128, 8, True, True, 128), ("bfloat16", 128, 32, True, True, 16),
+    ("bfloat16", 128, 4, False, True, 16), ("float16", 64, 4, False, True, 1),
+    ("bfloat16", 64, 4, True, True, 128), ("float16", 128, 4, False, True, 64),
+    ("bfloat16", 128, 4, True, True, 128),
+    # tests/test_graph_gpu.py
+    ("float16", 64, 1, True, True, 16),
+    # tests/gpu_sanitize.py
+    ("bfloat16", 128, 8, False, True, 128), ("bfloat16", 64, 8, True, True, 128),
+    ("bfloat16", 64, 1, True, True, 1), ("float16", 64, 1, True, False, 16),
+    # demo and perf.bench (32/8/128 and 16/4/128, pages 16 and 128)
+    ("bfloat16", 128, 4, True, False, 16), ("bfloat16", 128, 4, True, False, 128),
+})
+
+
+def _compile(v) -> str:
+    from podcute.compile import VariantKey, compile_variant
+    from podcute.kernels.config import KernelConfig
+
+    t = time.perf_counter()
+    compile_variant(VariantKey.make(KernelConfig.select(*v)))
+    return f"{v} {time.perf_counter() - t:.1f}s"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("-j", type=int, default=2, help="parallel compiler processes")
+    args = p.parse_args(argv)
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    from podcute.compile import VariantKey
+    from podcute.kernels.config import KernelConfig
+
+    keys = {VariantKey.make(KernelConfig.select(*v)): v for v in VARIANTS}
+    print(f"{len(keys)} distinct variants", flush=True)
+    with ProcessPoolExecutor(args.j) as pool:
+        for line in pool.map(_compile, list(keys.values())):
+            print(line, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

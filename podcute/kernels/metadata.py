@@ -1,0 +1,55 @@
+"""The plan metadata format, defined once: columns of a work row and of a merge row, the
+work kinds, and the float parameters a launch reads from device memory.
+
+Read by name everywhere (the planner writes ``work[:, WorkCol.KV_END]``, the kernel reads
+``mWork[i, WorkCol.KV_END]``), so a column moves in one place. No torch, no cutlass.
+"""
+
+from enum import IntEnum
+
+
+class WorkCol(IntEnum):
+    """One work item: packed rows [ROW_START, ROW_END) of (REQ, KV_HEAD) against KV tokens
+    [KV_START, KV_END). SPLIT_SLOT -1: the item writes out/lse itself; >= 0: it writes
+    fp32 partials to that slot and the group's last split merges (docs/design.md)."""
+
+    REQ = 0
+    KV_HEAD = 1
+    ROW_START = 2
+    ROW_END = 3
+    KV_START = 4
+    KV_END = 5
+    SPLIT_SLOT = 6
+    KIND = 7
+
+
+WORK_COLS = len(WorkCol)
+
+
+class MergeCol(IntEnum):
+    """One split-KV merge group: its rows and its slots [FIRST_SLOT, + NUM_SPLITS)."""
+
+    REQ = 0
+    KV_HEAD = 1
+    ROW_START = 2
+    ROW_END = 3
+    FIRST_SLOT = 4
+    NUM_SPLITS = 5
+
+
+MERGE_COLS = len(MergeCol)
+
+
+class Kind(IntEnum):
+    PREFILL = 0  # up to tile_m_prefill rows, every MMA warpgroup on its own rows
+    DECODE = 1  # up to tile_m_decode rows, the MMA warpgroups split the KV tiles
+
+
+class Param(IntEnum):
+    """float32 values a launch reads from plan-owned device memory, so a CUDA graph
+    captured with one plan replays with another plan's values."""
+
+    SM_SCALE = 0
+
+
+NUM_PARAMS = 4  # room for the scales later variants add, without moving segments
