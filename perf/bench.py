@@ -500,6 +500,9 @@ def main(argv=None) -> int:
     p.add_argument("--sweep-reps", type=int, default=10)
     p.add_argument("--no-fa4", action="store_true")
     p.add_argument("--no-sweep", action="store_true")
+    p.add_argument("--only", default=None,
+                   help="comma-separated workload names (e.g. F1,D1); implies --no-sweep")
+    p.add_argument("--pages", default=None, help="comma-separated page sizes (e.g. 16,128)")
     p.add_argument("--budget-s", type=float, default=None,
                    help="skip remaining sweep points after this many seconds (450; quick 100)")
     args = p.parse_args(argv)
@@ -528,6 +531,12 @@ def main(argv=None) -> int:
             log(f"FA4 {fa4_note}")
 
     main_wl, pages, sweep_wl = W.workloads(args.quick)
+    if args.only:
+        names = args.only.split(",")
+        main_wl = tuple(w for w in W.MAIN + (W.M1_SHUFFLED,) if w.name in names)
+        args.no_sweep = True
+    if args.pages:
+        pages = tuple(int(x) for x in args.pages.split(","))
     report = dict(env=dict(environment(fa4_note), podcute_api=pod_note), args=vars(args),
                   ceilings=None, main=[], sweep=[], host={}, targets=[], skipped=[])
     json_path = os.path.join(args.out, "bench.json")

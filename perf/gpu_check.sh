@@ -2,7 +2,8 @@
 # One call on the H200 (from the repo root, GPU bundle in .device/, see ../shared/device):
 #
 #   bash perf/gpu_check.sh STEP...      STEP: demo kernel graph memcheck racecheck
-#                                             synccheck quick-bench bench
+#                                             synccheck quick-bench bench ncu-W-PAGE
+#                                             (ncu of workload W at page PAGE, e.g. ncu-F1-16)
 #
 # Installs podcute, loads the kernel cache carried in .device/pcache (perf/warm_cache.py
 # fills it on a CPU machine), runs the steps in order (each under a timeout), and writes
@@ -50,9 +51,16 @@ for s in "$@"; do
     synccheck) step synccheck 300 compute-sanitizer --tool synccheck --error-exitcode 3 \
         python tests/gpu_sanitize.py --small ;;
     quick-bench) step quick-bench 400 python -m perf.bench --quick --no-sweep \
-        --out "$OUT/bench" ${BENCH_ARGS:-} ;;
+        --out "$OUT/bench" ${BENCH_ARGS:-} && sed -n '/^| workload/,/^$/p' "$OUT/bench/bench.md" ;;
     bench) step bench 580 python -m perf.bench --out "$OUT/bench" ${BENCH_ARGS:-} ;;
+    ncu-*) w=${s#ncu-}; step "$s" 240 ncu --clock-control none -k regex:kernel_cutlass \
+        --launch-skip 3 --launch-count 1 --section SpeedOfLight --section WarpStateStats \
+        --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section Occupancy \
+        --section LaunchStats python -m perf.profile_one ${w%-*} ${w##*-} ;;
     *) echo "unknown step $s"; status=2 ;;
   esac
 done
+# The device returns at most 8 files: pack everything into one archive.
+(cd "$OUT" && tar czf /tmp/podcute-results.tgz --exclude results.tgz . && \
+  find . -mindepth 1 -delete && mv /tmp/podcute-results.tgz results.tgz)
 exit $status

@@ -126,6 +126,8 @@ def main(argv=None) -> int:
     parser.add_argument("--arch", default="sm_90a", help="compile: target architecture")
     parser.add_argument("--check", action="store_true",
                         help="compile: verify wgmma and setmaxnreg in the generated PTX")
+    parser.add_argument("--jobs", type=int, default=None,
+                        help="compile: parallel compiler processes (default: CPU count)")
     args, rest = parser.parse_known_args(argv)
     if args.command == "demo":
         device, found = _hopper_device()
@@ -133,7 +135,7 @@ def main(argv=None) -> int:
     if args.command == "compile":
         from podcute.compile import compile_all
 
-        return compile_all(args.arch, check=args.check)
+        return compile_all(args.arch, check=args.check, jobs=args.jobs)
     from perf.bench import main as bench_main  # the harness lives in the repo's perf/
 
     return bench_main(rest)

@@ -109,8 +109,11 @@ class CostModel:
     tensor_flops_per_s: float = 779e12  # H200 dense bf16 matmul, measured
     hbm_bytes_per_s: float = 4.22e12  # H200 device-to-device copy (read + write), measured
     ref_num_sms: int = 132  # the chip the two rates were measured on
-    mma_efficiency: float = 0.6
-    decode_sm_bandwidth: float = 1.0
+    # Calibrated on the H200 (docs/performance.md, "cost model"): F1 at page 128, 0.94 ms
+    # for ~505 tiles of 128 x 128 per CTA, is ~0.76 of the matmul rate; D1 at page 128
+    # streams its bytes at ~1.09x the SM's share of the copy bandwidth.
+    mma_efficiency: float = 0.75
+    decode_sm_bandwidth: float = 1.1
     prefill_item_overhead_us: float = 1.0
     decode_item_overhead_us: float = 2.0
     # A split piece carries at least this much variable work (2x the decode overhead), so
@@ -669,6 +672,14 @@ class Planner:
 
     # ---- work ---------------------------------------------------------------------------
 
+    def _span(self, kind, kv_start, kv_end):
+        """KV tokens a piece costs: a prefill tile is tensor work whether its keys are all
+        visible or not (whole tiles); decode streams the bytes of its tokens."""
+        if kind == Kind.PREFILL:
+            tn = self.config.kernel.tile_n
+            return (kv_end + (tn - 1)) // tn * tn - kv_start
+        return kv_end - kv_start
+
     def _presplit(self, e, fixed, rate, min_tiles):
         """Split KV ranges [0, e) into tile-aligned pieces of about equal work, each
         >= max(L / s, min_chunk) (L = these groups' work per CTA, s = chunks_per_cta) and
@@ -728,6 +739,14 @@ class Planner:
             row_end = np.minimum(row_start + tm_p, rows[req])
             # keys no row of the item sees are never loaded
             e = visible_end_host(kvl[req], q_len[req], row_end, G, causal)
+            # Zigzag the row tiles by length (longest, shortest, next longest, ...): every
+            # stretch of the stream, so every CTA list, then holds long and short tiles in
+            # the batch's proportion, and per-item costs the model misses spread evenly.
+            zz = e.argsort(kind="stable")[::-1]
+            half = (n0p + 1) // 2
+            zig = np.empty(n0p, dtype=np.int64)
+            zig[0::2], zig[1::2] = zz[:half], zz[half:][::-1]
+            req, head, row_start, row_end, e = (x[zig] for x in (req, head, row_start, row_end, e))
             t = tmpl[:n0p]
             t[:, WorkCol.REQ] = req
             t[:, WorkCol.KV_HEAD] = head
@@ -755,14 +774,15 @@ class Planner:
             if sp is None:
                 n_k = e.size
                 z = np.zeros(n_k, dtype=np.int64)
-                cols.append((np.arange(g0, g0 + n_k), z, z, e, f, f + e * rate))
+                cols.append((np.arange(g0, g0 + n_k), z, z, e, f,
+                             f + self._span(kind_k, z, e) * rate))
             else:
                 src, j, s, e2, nch = sp
                 if nch_g is None:
                     nch_g = np.ones(n0, dtype=np.int64)
                 nch_g[g0: g0 + e.size] = nch
                 f2 = f[src]
-                cols.append((src + g0, j, s, e2, f2, f2 + (e2 - s) * rate))
+                cols.append((src + g0, j, s, e2, f2, f2 + self._span(kind_k, s, e2) * rate))
         n1p = cols[0][0].size if n0p else 0
         if len(cols) == 2:
             g1, j1, s1, e1, f1, c1 = (np.concatenate(x) for x in zip(*cols))
@@ -844,8 +864,16 @@ class Planner:
             kv_s[cut_pos] = cut_kv
             kv_e[cut_pos - 1] = cut_kv
             fix = np.concatenate((cut_pos - 1, cut_pos))
-            rate = np.where(kind[fix], r_d, r_p) if both else (r_p if n0p else r_d)
-            pc[fix] = f1[chunk[fix]] + (kv_e[fix] - kv_s[fix]) * rate
+            if both:
+                dec_fix = kind[fix]
+                span = np.where(dec_fix, self._span(Kind.DECODE, kv_s[fix], kv_e[fix]),
+                                self._span(Kind.PREFILL, kv_s[fix], kv_e[fix]))
+                rate = np.where(dec_fix, r_d, r_p)
+            else:
+                k_fix = Kind.PREFILL if n0p else Kind.DECODE
+                span = self._span(k_fix, kv_s[fix], kv_e[fix])
+                rate = r_p if n0p else r_d
+            pc[fix] = f1[chunk[fix]] + span * rate
             u_lo, u_hi = start[src], end[src]
             u_lo[cut_pos] = cut_u
             u_hi[cut_pos - 1] = cut_u

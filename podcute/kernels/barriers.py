@@ -16,3 +16,5 @@ class NamedBarrier(IntEnum):
     WARPGROUP = 2
     # + warpgroup index: ping-pong turn, "this MMA warpgroup may issue its GEMMs".
     SCHEDULE = WARPGROUP + MAX_MMA_WARPGROUPS
+    # The producer warpgroup: a KV tile's page lookups are in shared memory.
+    PRODUCER = SCHEDULE + MAX_MMA_WARPGROUPS

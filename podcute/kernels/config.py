@@ -33,8 +33,10 @@ class KernelConfig:
       * ``tile_n``: KV tokens per pipeline stage; ``num_stages``: K/V pipeline depth;
       * ``ctas_per_sm`` and the ``setmaxnreg`` split between the producer warpgroup and
         the MMA warpgroups.
-    Feature flags (per variant): GQA group, causal, LSE output, page class (``tma_kv``:
-    pages hold whole KV tiles, so a tile is one TMA box; else a cp.async row gather).
+    Feature flags (per variant): GQA group, causal, LSE output, page class (``kv_box``:
+    the rows of one TMA box, 128 when pages hold whole KV tiles, 16 for pages of 16-64
+    tokens (a tile is 8 boxes, one page lookup each), 0 for smaller pages, whose rows
+    a cp.async gather resolves one by one).
     """
 
     arch: str
@@ -43,7 +45,7 @@ class KernelConfig:
     group: int
     causal: bool
     has_lse: bool
-    tma_kv: bool
+    kv_box: int
     tile_m_prefill: int
     tile_m_decode: int
     tile_n: int
@@ -95,6 +97,8 @@ class KernelConfig:
             return False, "each MMA warpgroup owns 64 rows (one m64 wgmma)"
         if self.tile_n % 16 or self.tile_n > 256:
             return False, f"tile_n {self.tile_n} must be a multiple of 16 up to 256"
+        if self.kv_box and (self.tile_n % self.kv_box or self.kv_box % 8):
+            return False, f"kv_box {self.kv_box} must divide tile_n {self.tile_n} (8-row atoms)"
         if self.num_stages < 2:
             return False, "the K/V pipeline needs >= 2 stages"
         if self.smem_bytes() * self.ctas_per_sm > SMEM_BYTES_PER_SM:
@@ -115,14 +119,14 @@ class KernelConfig:
         """Registers per thread at kernel entry (the launch cap setmaxnreg needs)."""
         return REGISTERS_PER_SM // (self.ctas_per_sm * self.num_threads) // 8 * 8
 
-    def with_flags(self, *, group=None, causal=None, has_lse=None, tma_kv=None) -> "KernelConfig":
-        changes = {k: v for k, v in (("group", group), ("causal", causal),
-                                     ("has_lse", has_lse), ("tma_kv", tma_kv)) if v is not None}
-        return dataclasses.replace(self, **changes)
+    @property
+    def tma_kv(self) -> bool:
+        return self.kv_box > 0
 
-    def with_page_size(self, page_size: int) -> "KernelConfig":
-        """The page class: TMA boxes when every KV tile lies inside one page."""
-        return self.with_flags(tma_kv=page_size % self.tile_n == 0)
+    def with_flags(self, *, causal=None, has_lse=None) -> "KernelConfig":
+        """The same tiling with other per-launch flags (what launch() specialises)."""
+        changes = {k: v for k, v in (("causal", causal), ("has_lse", has_lse)) if v is not None}
+        return dataclasses.replace(self, **changes)
 
     # ---- the selector -------------------------------------------------------------------
 
@@ -138,11 +142,16 @@ class KernelConfig:
         # 32 KB O staging; D 64 halves every tile, so 4 stages fit. A cp.async producer
         # (page gather) needs more registers than a TMA one.
         stages = 2 if head_dim == 128 else 4
-        tma_kv = page_size % 128 == 0
-        producer_regs, mma_regs = (24, 240) if tma_kv else (40, 232)
+        # Page class: one TMA box per tile when pages hold whole tiles, 16-row boxes (one
+        # page lookup each) for pages of 16..64 tokens, a cp.async row gather below.
+        kv_box = 128 if page_size % 128 == 0 else (16 if page_size % 16 == 0 else 0)
+        # setmaxnreg split (multiples of 8, 512 per thread slot of the three warpgroups):
+        # a one-box TMA producer needs few registers; eight boxes a tile (their pages and
+        # coordinates) or a cp.async gather need more, taken from the MMA warpgroups.
+        producer_regs, mma_regs = {128: (24, 240), 16: (32, 240), 0: (40, 232)}[kv_box]
         cfg = KernelConfig(
             arch=arch, dtype=dtype, head_dim=head_dim, group=group, causal=bool(causal),
-            has_lse=bool(has_lse), tma_kv=tma_kv, tile_m_prefill=128, tile_m_decode=64,
+            has_lse=bool(has_lse), kv_box=kv_box, tile_m_prefill=128, tile_m_decode=64,
             tile_n=128, num_stages=stages, num_mma_warpgroups=2, ctas_per_sm=1,
             producer_regs=producer_regs, mma_regs=mma_regs,
         )

@@ -27,11 +27,13 @@ class RowGather:
     head_dim: cutlass.Constexpr[int]
 
     @staticmethod
-    def create(dtype, num_rows: int, head_dim: int, num_threads: int, tidx: Int32) -> "RowGather":
+    def create(dtype, num_rows: int, head_dim: int, num_threads: int, tidx: Int32,
+               threads_per_row: int = 8) -> "RowGather":
+        """`threads_per_row` threads copy a row, 16 B each per pass: 8 make a warp read
+        whole 128 B lines (4 rows per warp instruction); fewer leave each thread fewer
+        rows to resolve (registers) at half-line granularity."""
         elems = COPY_BITS // dtype.width
-        # 4 threads cover a row, 16 B each per pass (a warp reads 8 rows x 64 B): a thread
-        # resolves only a few rows per tile, which keeps the producer within its registers.
-        threads_per_row = math.gcd(head_dim // elems, 4)
+        threads_per_row = math.gcd(head_dim // elems, threads_per_row)
         atom = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
             dtype,

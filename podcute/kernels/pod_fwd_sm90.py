@@ -54,6 +54,16 @@ _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 WG_ROWS = 64  # rows of one MMA warpgroup: one m64 wgmma
 
 
+def stage(count: Int32, stages: int, producer: bool = False) -> pipeline.PipelineState:
+    """Pipeline state of the `count`-th use of a `stages`-deep pipeline (a producer's phase
+    starts flipped). Roles carry one Int32 per pipeline and build states on the fly: K
+    and V advance together, and a full PipelineState per pipeline costs registers."""
+    phase = (count // stages) % 2
+    if const_expr(producer):
+        phase = phase ^ 1
+    return pipeline.PipelineState(stages, count, count % stages, phase)
+
+
 def tile_smem_layout(dtype, rows: int, cols: int, stages: Optional[int] = None):
     """Swizzled K-major smem layout of a (rows, cols) tile (+ stages), as wgmma reads it."""
     atom = warpgroup.make_smem_layout_atom(
@@ -145,19 +155,24 @@ class PodAttentionSm90:
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
             scratch: cute.struct.Align[
                 cute.struct.MemRange[Float32, cute.cosize(scratch_layout)], 128]
+            pages: cute.struct.MemRange[Int32, 2 * self.tile_n]  # gather: page of each row
             merge_flag: cute.struct.MemRange[Int32, 1]
 
         self.shared_storage = SharedStorage
         tma_atom_k = tma_atom_v = None
         if const_expr(self.tma_kv):
-            # Boxes of (tile_n, D) over (slot, dim, kv_head, page): a tile is a piece of one
-            # page of one head, addressed by (tile within page, head, physical page).
-            box = (tile_n, d)
+            # Boxes of (kv_box rows, 64 cols) over (slot, dim, kv_head, page): the 128-byte
+            # swizzle caps a box at 64 columns, and a box of kv_box rows lies inside one
+            # page, so it is addressed by (row block in page, column block, head, page).
+            # In a stage's smem, the rows of one 64-column block are contiguous, so each
+            # box lands on a contiguous swizzled piece of it.
+            box = (self.cfg.kv_box, 64)
             op = cpasync.CopyBulkTensorTileG2SOp()
+            box_layout = tile_smem_layout(self.dtype, *box)
             tma_atom_k, mK = cpasync.make_tiled_tma_atom(
-                op, layouts.kv_tma_view(mK), cute.select(sK_layout, mode=[0, 1]), box)
+                op, layouts.kv_tma_view(mK), box_layout, box)
             tma_atom_v, mV = cpasync.make_tiled_tma_atom(
-                op, layouts.kv_tma_view(mV), cute.select(sV_layout, mode=[0, 1]), box)
+                op, layouts.kv_tma_view(mV), box_layout, box)
         self.kernel(
             mQ, mK, mV, mO, mLSE, mWork, mCtaPtr, mQStart, mKvLen, mPageStart, mPageList,
             mPartialO, mPartialLSE, mMerge, mSlotMerge, mMergeSem, mParams, page_size,
@@ -235,8 +250,9 @@ class PodAttentionSm90:
             cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
             self.produce(
                 mQ, mK, mV, mWork, mQStart, mKvLen, mPageStart, mPageList, page_size,
-                tma_atom_k, tma_atom_v, sQ, sK, sV, pipeline_q, pipeline_k, pipeline_v,
-                item_begin, item_end,
+                tma_atom_k, tma_atom_v, sQ, sK, sV,
+                storage.pages.get_tensor(cute.make_layout((self.tile_n, 2))),
+                pipeline_q, pipeline_k, pipeline_v, item_begin, item_end,
             )
         else:
             cute.arch.setmaxregister_increase(self.cfg.mma_regs)
@@ -284,6 +300,7 @@ class PodAttentionSm90:
         sQ: cute.Tensor,
         sK: cute.Tensor,
         sV: cute.Tensor,
+        sPages: cute.Tensor,
         pipeline_q: pipeline.PipelineAsync,
         pipeline_k: pipeline.PipelineAsync,
         pipeline_v: pipeline.PipelineAsync,
@@ -292,13 +309,13 @@ class PodAttentionSm90:
     ):
         tile_n, d = self.tile_n, self.head_dim
         tidx = cute.arch.thread_idx()[0]
-        q_gather = RowGather.create(self.dtype, self.tile_m, d, WARPGROUP_THREADS, tidx)
+        # Q rows resolve their own addresses (4 threads a row: few rows per thread); K/V
+        # rows read their pages from shared memory (8 threads a row: whole 128 B lines).
+        q_gather = RowGather.create(self.dtype, self.tile_m, d, WARPGROUP_THREADS, tidx,
+                                    threads_per_row=4)
         kv_gather = RowGather.create(self.dtype, tile_n, d, WARPGROUP_THREADS, tidx)
         page_divisor = cute.FastDivmodDivisor(page_size)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        kv_state = pipeline.make_pipeline_state(
-            pipeline.PipelineUserType.Producer, self.num_stages
-        )
+        kv_count = Int32(0)  # K/V tiles produced so far
         for i in cutlass.range(item_begin, item_end, unroll=1):
             item = WorkItem.load(mWork, mQStart, mKvLen, mPageStart, i)
             # Q: a prefill item's rows fill the tile (each MMA warpgroup reads its 64); a
@@ -309,6 +326,7 @@ class PodAttentionSm90:
             row_mask = Int32(self.tile_m - 1)
             if item.is_decode:
                 row_mask = Int32(WG_ROWS - 1)
+            q_state = stage(i - item_begin, 1, producer=True)
             pipeline_q.producer_acquire(q_state)
             q_gather.copy_rows(
                 sQ,
@@ -316,78 +334,95 @@ class PodAttentionSm90:
             )
             cute.arch.cp_async_commit_group()
             pipeline_q.producer_commit(q_state)
-            q_state.advance()
 
             n_min, n_max, _ = item.tile_bounds(item.row_start, self.group, self.causal, tile_n)
             if const_expr(self.tma_kv):
                 if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0:
-                    kv_state = self.produce_kv_tma(
+                    self.produce_kv_tma(
                         mK, mV, mPageList, page_divisor, tma_atom_k, tma_atom_v, sK, sV,
-                        pipeline_k, pipeline_v, kv_state, item, n_min, n_max,
+                        pipeline_k, pipeline_v, kv_count, item, n_min, n_max,
                     )
             else:
-                kv_state = self.produce_kv_gather(
-                    mK, mV, mPageList, page_divisor, kv_gather, sK, sV,
-                    pipeline_k, pipeline_v, kv_state, item, n_min, n_max,
+                self.produce_kv_gather(
+                    mK, mV, mPageList, page_divisor, kv_gather, sK, sV, sPages,
+                    pipeline_k, pipeline_v, kv_count, item, n_min, n_max,
                 )
+            kv_count += n_max - n_min
 
     @cute.jit
     def produce_kv_tma(self, mK, mV, mPageList, page_divisor, tma_atom_k, tma_atom_v,
-                       sK, sV, pipeline_k, pipeline_v, kv_state, item: WorkItem,
+                       sK, sV, pipeline_k, pipeline_v, kv_count: Int32, item: WorkItem,
                        n_min: Int32, n_max: Int32):
-        """One TMA box per K and V tile, issued by one warp (page_size % tile_n == 0)."""
-        tile_n = self.tile_n
+        """K and V tiles as TMA boxes of kv_box rows, issued by one warp (tile n_min is
+        the pipeline's kv_count-th). Lane j looks up the page of box j; a box past
+        kv_end re-reads the one holding the item's last token (its rows are masked, and
+        V's are zeroed before P V), so no page-table entry past the request's is read
+        and the stage always receives its full byte count."""
+        tile_n, box = self.tile_n, self.cfg.kv_box
+        boxes = tile_n // box
+        lane = cute.arch.lane_idx()
         tKsK, tKgK = self._tma_tiles(tma_atom_k, mK, sK, item.kv_head)
         tVsV, tVgV = self._tma_tiles(tma_atom_v, mV, sV, item.kv_head)
         for n_block in cutlass.range(n_min, n_max, unroll=1):
-            # A tile lies inside one page that the request owns: its first token is
-            # < kv_end, so no page-table entry past the request's pages is read.
-            page_idx, slot = divmod(n_block * tile_n, page_divisor)
+            token = cutlass.min(n_block * tile_n + lane % boxes * box, item.kv_end - 1)
+            page_idx, slot = divmod(token, page_divisor)
             page = mPageList[item.page_start + page_idx]
-            tile_in_page = slot // tile_n
-            pipeline_k.producer_acquire(kv_state)
-            cute.copy(tma_atom_k, tKgK[None, tile_in_page, page], tKsK[None, kv_state.index],
-                      tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
-            pipeline_v.producer_acquire(kv_state)
-            cute.copy(tma_atom_v, tVgV[None, tile_in_page, page], tVsV[None, kv_state.index],
-                      tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
-            kv_state.advance()
-        return kv_state
+            row_block = slot // box
+            kv_state = stage(kv_count + n_block - n_min, self.num_stages, producer=True)
+            for tX, tXsX, tXgX, pipe in ((tma_atom_k, tKsK, tKgK, pipeline_k),
+                                         (tma_atom_v, tVsV, tVgV, pipeline_v)):
+                pipe.producer_acquire(kv_state)
+                for j in cutlass.range_constexpr(boxes):
+                    page_j = cute.arch.shuffle_sync(page, j)
+                    block_j = cute.arch.shuffle_sync(row_block, j)
+                    for b in cutlass.range_constexpr(cute.size(tXsX, mode=[2])):
+                        cute.copy(tX, tXgX[None, block_j, b, page_j],
+                                  tXsX[None, j, b, kv_state.index],
+                                  tma_bar_ptr=pipe.producer_get_barrier(kv_state))
 
     def _tma_tiles(self, tma_atom, mX_tma, sX, kv_head):
-        """(smem stages, gmem tiles indexed by (tile within page, page)) for one KV head."""
-        gX = cute.local_tile(mX_tma[None, None, kv_head, None],
-                             (self.tile_n, self.head_dim), (None, 0, None))
+        """Box partitions for one KV head: smem (TMA, box in tile, column block, stage),
+        gmem (TMA, row block in page, column block, page)."""
+        box = (self.cfg.kv_box, 64)
+        gX = cute.flat_divide(mX_tma[None, None, kv_head, None], box)
+        sX_boxes = cute.flat_divide(sX, box)
         return cpasync.tma_partition(
             tma_atom, 0, cute.make_layout(1),
-            cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2),
+            cute.group_modes(sX_boxes, 0, 2), cute.group_modes(gX, 0, 2),
         )
 
     @cute.jit
-    def produce_kv_gather(self, mK, mV, mPageList, page_divisor, kv_gather, sK, sV,
-                          pipeline_k, pipeline_v, kv_state, item: WorkItem,
+    def produce_kv_gather(self, mK, mV, mPageList, page_divisor, kv_gather, sK, sV, sPages,
+                          pipeline_k, pipeline_v, kv_count: Int32, item: WorkItem,
                           n_min: Int32, n_max: Int32):
-        """cp.async gather of K/V page rows by the whole producer warpgroup.
+        """cp.async gather of K/V page rows by the whole producer warpgroup (tile n_min is
+        the pipeline's kv_count-th).
 
-        Each thread looks up the pages of its rows once per tile (K and V share them) and
-        keeps them in registers. Rows past kv_end re-read the item's last token
-        (layouts.clamp_token): the consumer masks them, and no garbage/NaN slot is read.
+        A tile's rows are resolved to pages once, one row per thread, into shared memory
+        (`sPages`, double-buffered by tile parity): K and V and every thread copying a
+        row share the lookup, and the next tile's lookups overlap this tile's copies.
+        Rows past kv_end re-read the item's last token (layouts.clamp_token): the
+        consumer masks them, and no garbage/NaN slot is ever read.
         """
         tile_n = self.tile_n
-        pages = cute.make_rmem_tensor(kv_gather.rows_per_thread, Int32)
+        tidx = cute.arch.thread_idx()[0]
+        if n_min < n_max:
+            self.lookup_pages(sPages, kv_count % 2, mPageList, page_divisor, item, n_min, tidx)
         for n_block in cutlass.range(n_min, n_max, unroll=1):
             first_token = n_block * tile_n
-            for m in cutlass.range_constexpr(kv_gather.rows_per_thread):
-                token = layouts.clamp_token(first_token, kv_gather.row(m), item.kv_end)
-                pages[m], _ = layouts.kv_locate(mPageList, item.page_start, token, page_divisor)
+            buf = (kv_count + n_block - n_min) % 2
+            # This tile's lookups (every producer thread's) are in sPages[:, buf].
+            cute.arch.barrier(barrier_id=NamedBarrier.PRODUCER,
+                              number_of_threads=WARPGROUP_THREADS)
 
             def row_of(mKV):
                 def gmem_row(m, r):
                     token = layouts.clamp_token(first_token, r, item.kv_end)
                     _, slot = layouts.split_token(token, page_divisor)
-                    return layouts.kv_row_at(mKV, pages[m], slot, item.kv_head)
+                    return layouts.kv_row_at(mKV, sPages[r, buf], slot, item.kv_head)
                 return gmem_row
 
+            kv_state = stage(kv_count + n_block - n_min, self.num_stages, producer=True)
             pipeline_k.producer_acquire(kv_state)
             kv_gather.copy_rows(sK[None, None, kv_state.index], row_of(mK))
             cute.arch.cp_async_commit_group()
@@ -396,8 +431,22 @@ class PodAttentionSm90:
             kv_gather.copy_rows(sV[None, None, kv_state.index], row_of(mV))
             cute.arch.cp_async_commit_group()
             pipeline_v.producer_commit(kv_state)
-            kv_state.advance()
-        return kv_state
+            # The other buffer was last read for the previous tile, before this tile's
+            # barrier: the next tile's lookups may go in now.
+            if n_block + 1 < n_max:
+                self.lookup_pages(sPages, 1 - buf, mPageList, page_divisor, item, n_block + 1,
+                                  tidx)
+
+    @cute.jit
+    def lookup_pages(self, sPages: cute.Tensor, buf: Int32, mPageList: cute.Tensor,
+                     page_divisor, item: WorkItem, n_block: Int32, tidx: Int32):
+        """Physical page of each row of KV tile n_block into sPages[:, buf], one row per
+        producer thread (tokens clamped into the item's range, so no page-table entry
+        past its pages is read)."""
+        for r in cutlass.range(tidx, self.tile_n, WARPGROUP_THREADS, unroll=1):
+            token = layouts.clamp_token(n_block * self.tile_n, r, item.kv_end)
+            sPages[r, buf], _ = layouts.kv_locate(mPageList, item.page_start, token,
+                                                  page_divisor)
 
     # ---- MMA warpgroups ---------------------------------------------------------------
 
@@ -454,18 +503,12 @@ class PodAttentionSm90:
         # P of the previous own KV tile, as the register A operand of the P V wgmma.
         rP = cute.make_rmem_tensor(acc_shape_S, self.dtype)
         tOrP = cute.make_tensor(rP.iterator, acc_as_operand_a_layout(rP.layout))
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        # K and V stages are filled in step; V of an own tile is consumed after the QK of
-        # the next own tile. Both states walk every tile of every item (own or not).
-        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
-                                               self.num_stages)
-        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
-                                               self.num_stages)
-        schedule_barrier = Int32(NamedBarrier.SCHEDULE) + wg
-        other_barrier = Int32(NamedBarrier.SCHEDULE) + 1 - wg
+        # K and V stages are filled in step: tile n_min of an item is the kv_count-th use
+        # of both pipelines (every MMA warpgroup counts every tile, own or not).
+        kv_count = Int32(0)
         # Ping-pong: warpgroup 0 takes the first turn (pre-paid arrival on its barrier).
         if wg == 0:
-            cute.arch.barrier_arrive(barrier_id=schedule_barrier,
+            cute.arch.barrier_arrive(barrier_id=NamedBarrier.SCHEDULE,
                                      number_of_threads=self.num_mma_threads)
 
         for i in cutlass.range(item_begin, item_end, unroll=1):
@@ -475,82 +518,32 @@ class PodAttentionSm90:
             row_offset = wg * WG_ROWS * (1 - decode)
             n_min, n_max, mask_from = item.tile_bounds(
                 item.row_start + row_offset, self.group, self.causal, tile_n)
-            # Own tiles: every tile (prefill) or every other one from n_min + wg (decode);
-            # a decode tile's owner releases its stage twice (for itself and its twin).
-            step = 1 + decode
-            own_first = cutlass.min(n_min + wg * decode, n_max)
-            releases = step
-            k_state.advance(own_first - n_min)
-            v_state.advance(own_first - n_min)
-
             softmax.reset()
             acc_O.fill(0.0)
+            q_state = stage(i - item_begin, 1)
             pipeline_q.consumer_wait(q_state)
             mask_tile = partial(
                 apply_mask, tScS=tScS, row_start=item.row_start + row_offset,
                 kv_end=item.kv_end, causal_offset=item.kv_len - item.q_len, group=self.group,
                 causal=self.causal,
             )
-            if own_first < n_max:
-                # First own tile: S only (O is still zero).
-                pipeline_k.consumer_wait(k_state)
-                # cp.async wrote sQ/sK through the generic proxy; wgmma reads via the async one.
-                cute.arch.fence_view_async_shared()
-                acc_S = self.qk_gemm(tiled_mma_qk, tSrQ, tSrK, acc_shape_S, k_state)
-                warpgroup.wait_group(0)
-                self.release(pipeline_k, k_state, releases)
-                if own_first >= mask_from:
-                    mask_tile(acc_S, col_start=own_first * tile_n)
-                softmax.update(acc_S)
-                rP.store(acc_S.load().to(self.dtype))
-                for n_block in cutlass.range(own_first + step, n_max, step, unroll=1):
-                    k_state.advance(step)
-                    pipeline_k.consumer_wait(k_state)
-                    cute.arch.fence_view_async_shared()
-                    if decode == 0:
-                        cute.arch.barrier(barrier_id=schedule_barrier,
-                                          number_of_threads=self.num_mma_threads)
-                    acc_S = self.qk_gemm(tiled_mma_qk, tSrQ, tSrK, acc_shape_S, k_state)
-                    pipeline_v.consumer_wait(v_state)
-                    warpgroup_gemm(tiled_mma_pv, acc_O, tOrP,
-                                   tOrVt[None, None, None, v_state.index], False)
-                    if decode == 0:
-                        cute.arch.barrier_arrive(barrier_id=other_barrier,
-                                                 number_of_threads=self.num_mma_threads)
-                    warpgroup.wait_group(1)  # S done; P V still running
-                    self.release(pipeline_k, k_state, releases)
-                    if n_block >= mask_from:
-                        mask_tile(acc_S, col_start=n_block * tile_n)
-                    row_scale = softmax.update(acc_S)
-                    warpgroup.wait_group(0)  # P V done: O and rP are free
-                    self.release(pipeline_v, v_state, releases)
-                    v_state.advance(step)
-                    rescale_rows(acc_O, row_scale)
-                    rP.store(acc_S.load().to(self.dtype))
-                # Last own tile's P V. v_state is at the last own tile.
-                pipeline_v.consumer_wait(v_state)
-                if const_expr(self.tma_kv):
-                    # A TMA box brings the whole page tail: slots past kv_len may hold
-                    # garbage (NaN), and P = 0 times NaN is NaN, so zero those V rows.
-                    last_own = own_first + (n_max - 1 - own_first) // step * step
-                    if last_own * tile_n + tile_n > item.kv_end:
-                        self.zero_v_tail(sV[None, None, v_state.index],
-                                         item.kv_end - last_own * tile_n, mma_tidx, wg, decode)
-                cute.arch.fence_view_async_shared()
-                warpgroup_gemm(tiled_mma_pv, acc_O, tOrP,
-                               tOrVt[None, None, None, v_state.index], False)
-                warpgroup.wait_group(0)
-                self.release(pipeline_v, v_state, releases)
-                # Both states move on from the last own tile to the next item's first.
-                rest = n_max - (own_first + (n_max - 1 - own_first) // step * step)
-                k_state.advance(rest)
-                v_state.advance(rest)
+            if decode != 0:
+                self.mainloop_decode(
+                    tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_shape_S, acc_O, rP, tOrP,
+                    softmax, mask_tile, sV, pipeline_k, pipeline_v, kv_count,
+                    n_min, n_max, mask_from, item.kv_end, mma_tidx, wg)
+                pipeline_q.consumer_release(q_state)
             else:
-                k_state.advance(n_max - own_first)
-                v_state.advance(n_max - own_first)
-            pipeline_q.consumer_release(q_state)
-            q_state.advance()
-
+                # Releases Q after its last S: the next item's Q loads during the last
+                # P V and this epilogue.
+                self.mainloop_prefill(
+                    tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_shape_S, acc_O, rP, tOrP,
+                    softmax, mask_tile, sV, pipeline_q, q_state, pipeline_k, pipeline_v,
+                    kv_count, n_min, n_max, mask_from, item.kv_end, mma_tidx, wg)
+            kv_count += n_max - n_min
+            # Reload the item for the epilogue (an L1 hit) rather than keep every field
+            # live through the mainloop: registers are what the MMA warpgroups lack.
+            item = WorkItem.load(mWork, mQStart, mKvLen, mPageStart, i)
             if decode != 0:
                 # Fold warpgroup 1's softmax state and O into warpgroup 0's.
                 self.combine_decode(softmax, acc_O, sScratch, tidx, wg)
@@ -565,6 +558,105 @@ class PodAttentionSm90:
                     sFlag, item.split_slot, self.group, d, mma_tidx, self.num_mma_threads,
                     barrier_id=NamedBarrier.MMA,
                 )
+
+    @cute.jit
+    def mainloop_prefill(self, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_shape_S,
+                         acc_O, rP, tOrP, softmax: OnlineSoftmax, mask_tile, sV,
+                         pipeline_q, q_state, pipeline_k, pipeline_v, kv_count: Int32,
+                         n_min: Int32, n_max: Int32, mask_from: Int32, kv_end: Int32,
+                         mma_tidx: Int32, wg: Int32):
+        """Every KV tile for this warpgroup's 64 rows (both MMA warpgroups read every
+        stage). S of tile n overlaps P V of tile n-1 (intra-warpgroup), and the GEMMs of
+        one warpgroup overlap the other's softmax (ping-pong: a warpgroup issues its GEMMs
+        on its turn, then hands the turn over). Q is released after the last S."""
+        tile_n, stages = self.tile_n, self.num_stages
+        schedule_barrier = Int32(NamedBarrier.SCHEDULE) + wg
+        other_barrier = Int32(NamedBarrier.SCHEDULE) + 1 - wg
+        if n_min < n_max:
+            # First tile: S only (O is still zero).
+            k_state = stage(kv_count, stages)
+            pipeline_k.consumer_wait(k_state)
+            # cp.async wrote sQ/sK through the generic proxy; wgmma reads via the async one.
+            cute.arch.fence_view_async_shared()
+            acc_S = self.qk_gemm(tiled_mma_qk, tSrQ, tSrK, acc_shape_S, k_state)
+            warpgroup.wait_group(0)
+            pipeline_k.consumer_release(k_state)
+            if n_min >= mask_from:
+                mask_tile(acc_S, col_start=n_min * tile_n)
+            softmax.update(acc_S)
+            rP.store(acc_S.load().to(self.dtype))
+            for n_block in cutlass.range(n_min + 1, n_max, unroll=1):
+                k_state = stage(kv_count + n_block - n_min, stages)
+                v_state = stage(kv_count + n_block - n_min - 1, stages)
+                pipeline_k.consumer_wait(k_state)
+                cute.arch.fence_view_async_shared()
+                cute.arch.barrier(barrier_id=schedule_barrier,
+                                  number_of_threads=self.num_mma_threads)
+                acc_S = self.qk_gemm(tiled_mma_qk, tSrQ, tSrK, acc_shape_S, k_state)
+                pipeline_v.consumer_wait(v_state)
+                warpgroup_gemm(tiled_mma_pv, acc_O, tOrP,
+                               tOrVt[None, None, None, v_state.index], False)
+                cute.arch.barrier_arrive(barrier_id=other_barrier,
+                                         number_of_threads=self.num_mma_threads)
+                warpgroup.wait_group(1)  # S done; P V still running
+                pipeline_k.consumer_release(k_state)
+                if n_block >= mask_from:
+                    mask_tile(acc_S, col_start=n_block * tile_n)
+                row_scale = softmax.update(acc_S)
+                warpgroup.wait_group(0)  # P V done: O and rP are free
+                pipeline_v.consumer_release(v_state)
+                rescale_rows(acc_O, row_scale)
+                rP.store(acc_S.load().to(self.dtype))
+            pipeline_q.consumer_release(q_state)  # every S is done: Q may be refilled
+            # Last tile's P V.
+            v_state = stage(kv_count + n_max - 1 - n_min, stages)
+            pipeline_v.consumer_wait(v_state)
+            if const_expr(self.tma_kv):
+                # A TMA box brings the whole page tail: slots past kv_len may hold
+                # garbage (NaN), and P = 0 times NaN is NaN, so zero those V rows.
+                if n_max * tile_n > kv_end:
+                    self.zero_v_tail(sV[None, None, v_state.index],
+                                     kv_end - (n_max - 1) * tile_n, mma_tidx, wg, Int32(0))
+            cute.arch.fence_view_async_shared()
+            warpgroup_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index],
+                           False)
+            warpgroup.wait_group(0)
+            pipeline_v.consumer_release(v_state)
+        else:
+            pipeline_q.consumer_release(q_state)
+
+    @cute.jit
+    def mainloop_decode(self, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_shape_S,
+                        acc_O, rP, tOrP, softmax: OnlineSoftmax, mask_tile, sV,
+                        pipeline_k, pipeline_v, kv_count: Int32, n_min: Int32, n_max: Int32,
+                        mask_from: Int32, kv_end: Int32, mma_tidx: Int32, wg: Int32):
+        """Every other KV tile (from n_min + wg) for all the item's rows; the other MMA
+        warpgroup takes the rest, and the owner releases a stage for both. No overlap
+        within a tile: memory-bound work gains nothing from it, and releasing V right
+        after its P V lets the producer refill the stage a tile earlier."""
+        tile_n = self.tile_n
+        for n_block in cutlass.range(n_min + wg, n_max, 2, unroll=1):
+            kv_state = stage(kv_count + n_block - n_min, self.num_stages)
+            pipeline_k.consumer_wait(kv_state)
+            cute.arch.fence_view_async_shared()
+            acc_S = self.qk_gemm(tiled_mma_qk, tSrQ, tSrK, acc_shape_S, kv_state)
+            warpgroup.wait_group(0)
+            self.release(pipeline_k, kv_state, 2)
+            if n_block >= mask_from:
+                mask_tile(acc_S, col_start=n_block * tile_n)
+            row_scale = softmax.update(acc_S)
+            rP.store(acc_S.load().to(self.dtype))  # S dies here, before O is rescaled
+            rescale_rows(acc_O, row_scale)
+            pipeline_v.consumer_wait(kv_state)
+            if const_expr(self.tma_kv):
+                if (n_block + 1) * tile_n > kv_end:  # the page tail: see mainloop_prefill
+                    self.zero_v_tail(sV[None, None, kv_state.index], kv_end - n_block * tile_n,
+                                     mma_tidx, wg, Int32(1))
+            cute.arch.fence_view_async_shared()
+            warpgroup_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index],
+                           False)
+            warpgroup.wait_group(0)
+            self.release(pipeline_v, kv_state, 2)
 
     @cute.jit
     def release(self, pipe, state, count: Int32):
@@ -588,18 +680,17 @@ class PodAttentionSm90:
         MMA warpgroups together when both read the stage (prefill), else its owner."""
         d = self.head_dim
         if decode != 0:
-            for i in cutlass.range(mma_tidx % WARPGROUP_THREADS, self.tile_n * d,
-                                   WARPGROUP_THREADS, unroll=1):
-                if i // d >= first_row:
-                    sX[i // d, i % d] = self.dtype(0.0)
+            for i in cutlass.range(first_row * d + mma_tidx % WARPGROUP_THREADS,
+                                   self.tile_n * d, WARPGROUP_THREADS, unroll=1):
+                sX[i // d, i % d] = self.dtype(0.0)
             # Each writer orders its zeros for the async proxy (wgmma) before the barrier.
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=Int32(NamedBarrier.WARPGROUP) + wg,
                               number_of_threads=WARPGROUP_THREADS)
         else:
-            for i in cutlass.range(mma_tidx, self.tile_n * d, self.num_mma_threads, unroll=1):
-                if i // d >= first_row:
-                    sX[i // d, i % d] = self.dtype(0.0)
+            for i in cutlass.range(first_row * d + mma_tidx, self.tile_n * d,
+                                   self.num_mma_threads, unroll=1):
+                sX[i // d, i % d] = self.dtype(0.0)
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=NamedBarrier.MMA, number_of_threads=self.num_mma_threads)
 
