@@ -15,7 +15,8 @@ mkdir -p "$OUT"
 source .device/gpu-env.sh
 pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1
 export PODCUTE_CACHE_DIR=$PWD/.device/pcache PODCUTE_COMPILE_LOG=$OUT/compiles.log
-export PYTHONUNBUFFERED=1 CUTE_DSL_ARCH=sm_90a
+# Scripts outside the repo root (tests/gpu_sanitize.py) import podcute from the tree.
+export PYTHONUNBUFFERED=1 CUTE_DSL_ARCH=sm_90a PYTHONPATH=$PWD:${PYTHONPATH:-}
 if ! python -c "import podcute.layouts" 2>>"$OUT/install.log"; then
   # An old setuptools installs editable packages as a path entry, which cannot map
   # layouts/ to podcute.layouts: link it into this copy of the tree instead.

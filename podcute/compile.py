@@ -189,13 +189,13 @@ def shipped_variants(arch: str = "sm_90a"):
     """The variants `python -m podcute compile` builds ahead of time (and CI compiles).
 
     GQA groups 1 (MHA), 4, 7 and 8 cover the common models; any other group (MQA of 32
-    heads, say) compiles on first use (~3 s on an H200). Page sizes 128, 16 and 1 stand
-    for the three page classes (whole-tile TMA boxes, 16-row TMA boxes, cp.async gather).
+    heads, say) compiles on first use (~3 s on an H200). Page sizes 128 and 16 stand for
+    the two page classes (whole-tile TMA boxes, cp.async gather).
     """
     return [
         VariantKey.make(KernelConfig.select(dtype, head_dim, group, causal, has_lse,
                                             page_size, arch=arch))
-        for page_size in (128, 16, 1)
+        for page_size in (128, 16)
         for dtype in ("bfloat16", "float16")
         for head_dim in (64, 128)
         for group in (1, 4, 7, 8)

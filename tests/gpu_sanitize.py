@@ -54,7 +54,7 @@ def main(small: bool) -> int:
     attn = PODAttention(4, 4, 64, 16, dtype=torch.float16, device="cuda",
                         max_batch_size=32, max_num_tokens=512, max_num_pages=32 * 200)
     n = 17
-    big = make_batch([17] * n, [2048 // s] * n, num_qo_heads=4, num_kv_heads=4, head_dim=64,
+    big = make_batch([17] * n, [2048] * n, num_qo_heads=4, num_kv_heads=4, head_dim=64,
                      page_size=16, dtype=torch.float16, device="cuda", page_format="csr",
                      num_pages=n * 200, seed=3)
     small_b = make_batch([17] * n, [17] * n, num_qo_heads=4, num_kv_heads=4, head_dim=64,

@@ -18,3 +18,6 @@ class NamedBarrier(IntEnum):
     SCHEDULE = WARPGROUP + MAX_MMA_WARPGROUPS
     # The producer warpgroup: a KV tile's page lookups are in shared memory.
     PRODUCER = SCHEDULE + MAX_MMA_WARPGROUPS
+    # Decode combine: warpgroup 1's state is in the scratch / the scratch is free again.
+    COMBINE_FULL = PRODUCER + 1
+    COMBINE_EMPTY = PRODUCER + 2

@@ -34,9 +34,8 @@ class KernelConfig:
       * ``ctas_per_sm`` and the ``setmaxnreg`` split between the producer warpgroup and
         the MMA warpgroups.
     Feature flags (per variant): GQA group, causal, LSE output, page class (``kv_box``:
-    the rows of one TMA box, 128 when pages hold whole KV tiles, 16 for pages of 16-64
-    tokens (a tile is 8 boxes, one page lookup each), 0 for smaller pages, whose rows
-    a cp.async gather resolves one by one).
+    the rows of one TMA box, 128 when pages hold whole KV tiles; 0 for smaller pages,
+    whose rows a cp.async gather resolves).
     """
 
     arch: str
@@ -142,13 +141,14 @@ class KernelConfig:
         # 32 KB O staging; D 64 halves every tile, so 4 stages fit. A cp.async producer
         # (page gather) needs more registers than a TMA one.
         stages = 2 if head_dim == 128 else 4
-        # Page class: one TMA box per tile when pages hold whole tiles, 16-row boxes (one
-        # page lookup each) for pages of 16..64 tokens, a cp.async row gather below.
-        kv_box = 128 if page_size % 128 == 0 else (16 if page_size % 16 == 0 else 0)
+        # Page class: one TMA box per tile when pages hold whole tiles, else a cp.async
+        # row gather. (16-row boxes for pages of 16..64 tokens hung on the H200 in their
+        # first test and are not shipped: docs/performance.md.)
+        kv_box = 128 if page_size % 128 == 0 else 0
         # setmaxnreg split (multiples of 8, 512 per thread slot of the three warpgroups):
         # a one-box TMA producer needs few registers; eight boxes a tile (their pages and
         # coordinates) or a cp.async gather need more, taken from the MMA warpgroups.
-        producer_regs, mma_regs = {128: (24, 240), 16: (32, 240), 0: (40, 232)}[kv_box]
+        producer_regs, mma_regs = {128: (24, 240), 0: (40, 232)}[kv_box]
         cfg = KernelConfig(
             arch=arch, dtype=dtype, head_dim=head_dim, group=group, causal=bool(causal),
             has_lse=bool(has_lse), kv_box=kv_box, tile_m_prefill=128, tile_m_decode=64,

@@ -161,18 +161,14 @@ class PodAttentionSm90:
         self.shared_storage = SharedStorage
         tma_atom_k = tma_atom_v = None
         if const_expr(self.tma_kv):
-            # Boxes of (kv_box rows, 64 cols) over (slot, dim, kv_head, page): the 128-byte
-            # swizzle caps a box at 64 columns, and a box of kv_box rows lies inside one
-            # page, so it is addressed by (row block in page, column block, head, page).
-            # In a stage's smem, the rows of one 64-column block are contiguous, so each
-            # box lands on a contiguous swizzled piece of it.
-            box = (self.cfg.kv_box, 64)
+            # Boxes of (tile_n, D) over (slot, dim, kv_head, page): a tile is a piece of one
+            # page of one head, addressed by (tile within page, head, physical page).
+            box = (tile_n, d)
             op = cpasync.CopyBulkTensorTileG2SOp()
-            box_layout = tile_smem_layout(self.dtype, *box)
             tma_atom_k, mK = cpasync.make_tiled_tma_atom(
-                op, layouts.kv_tma_view(mK), box_layout, box)
+                op, layouts.kv_tma_view(mK), cute.select(sK_layout, mode=[0, 1]), box)
             tma_atom_v, mV = cpasync.make_tiled_tma_atom(
-                op, layouts.kv_tma_view(mV), box_layout, box)
+                op, layouts.kv_tma_view(mV), cute.select(sV_layout, mode=[0, 1]), box)
         self.kernel(
             mQ, mK, mV, mO, mLSE, mWork, mCtaPtr, mQStart, mKvLen, mPageStart, mPageList,
             mPartialO, mPartialLSE, mMerge, mSlotMerge, mMergeSem, mParams, page_size,
@@ -353,42 +349,32 @@ class PodAttentionSm90:
     def produce_kv_tma(self, mK, mV, mPageList, page_divisor, tma_atom_k, tma_atom_v,
                        sK, sV, pipeline_k, pipeline_v, kv_count: Int32, item: WorkItem,
                        n_min: Int32, n_max: Int32):
-        """K and V tiles as TMA boxes of kv_box rows, issued by one warp (tile n_min is
-        the pipeline's kv_count-th). Lane j looks up the page of box j; a box past
-        kv_end re-reads the one holding the item's last token (its rows are masked, and
-        V's are zeroed before P V), so no page-table entry past the request's is read
-        and the stage always receives its full byte count."""
-        tile_n, box = self.tile_n, self.cfg.kv_box
-        boxes = tile_n // box
-        lane = cute.arch.lane_idx()
+        """One TMA box per K and V tile, issued by one warp (page_size % tile_n == 0);
+        tile n_min is the pipeline's kv_count-th."""
+        tile_n = self.tile_n
         tKsK, tKgK = self._tma_tiles(tma_atom_k, mK, sK, item.kv_head)
         tVsV, tVgV = self._tma_tiles(tma_atom_v, mV, sV, item.kv_head)
         for n_block in cutlass.range(n_min, n_max, unroll=1):
-            token = cutlass.min(n_block * tile_n + lane % boxes * box, item.kv_end - 1)
-            page_idx, slot = divmod(token, page_divisor)
+            # A tile lies inside one page that the request owns: its first token is
+            # < kv_end, so no page-table entry past the request's pages is read.
+            page_idx, slot = divmod(n_block * tile_n, page_divisor)
             page = mPageList[item.page_start + page_idx]
-            row_block = slot // box
+            tile_in_page = slot // tile_n
             kv_state = stage(kv_count + n_block - n_min, self.num_stages, producer=True)
-            for tX, tXsX, tXgX, pipe in ((tma_atom_k, tKsK, tKgK, pipeline_k),
-                                         (tma_atom_v, tVsV, tVgV, pipeline_v)):
-                pipe.producer_acquire(kv_state)
-                for j in cutlass.range_constexpr(boxes):
-                    page_j = cute.arch.shuffle_sync(page, j)
-                    block_j = cute.arch.shuffle_sync(row_block, j)
-                    for b in cutlass.range_constexpr(cute.size(tXsX, mode=[2])):
-                        cute.copy(tX, tXgX[None, block_j, b, page_j],
-                                  tXsX[None, j, b, kv_state.index],
-                                  tma_bar_ptr=pipe.producer_get_barrier(kv_state))
+            pipeline_k.producer_acquire(kv_state)
+            cute.copy(tma_atom_k, tKgK[None, tile_in_page, page], tKsK[None, kv_state.index],
+                      tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
+            pipeline_v.producer_acquire(kv_state)
+            cute.copy(tma_atom_v, tVgV[None, tile_in_page, page], tVsV[None, kv_state.index],
+                      tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
 
     def _tma_tiles(self, tma_atom, mX_tma, sX, kv_head):
-        """Box partitions for one KV head: smem (TMA, box in tile, column block, stage),
-        gmem (TMA, row block in page, column block, page)."""
-        box = (self.cfg.kv_box, 64)
-        gX = cute.flat_divide(mX_tma[None, None, kv_head, None], box)
-        sX_boxes = cute.flat_divide(sX, box)
+        """(smem stages, gmem tiles indexed by (tile within page, page)) for one KV head."""
+        gX = cute.local_tile(mX_tma[None, None, kv_head, None],
+                             (self.tile_n, self.head_dim), (None, 0, None))
         return cpasync.tma_partition(
             tma_atom, 0, cute.make_layout(1),
-            cute.group_modes(sX_boxes, 0, 2), cute.group_modes(gX, 0, 2),
+            cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2),
         )
 
     @cute.jit
@@ -532,15 +518,13 @@ class PodAttentionSm90:
                     tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_shape_S, acc_O, rP, tOrP,
                     softmax, mask_tile, sV, pipeline_k, pipeline_v, kv_count,
                     n_min, n_max, mask_from, item.kv_end, mma_tidx, wg)
-                pipeline_q.consumer_release(q_state)
             else:
-                # Releases Q after its last S: the next item's Q loads during the last
-                # P V and this epilogue.
                 self.mainloop_prefill(
                     tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_shape_S, acc_O, rP, tOrP,
-                    softmax, mask_tile, sV, pipeline_q, q_state, pipeline_k, pipeline_v,
-                    kv_count, n_min, n_max, mask_from, item.kv_end, mma_tidx, wg)
+                    softmax, mask_tile, sV, pipeline_k, pipeline_v, kv_count,
+                    n_min, n_max, mask_from, item.kv_end, mma_tidx, wg)
             kv_count += n_max - n_min
+            pipeline_q.consumer_release(q_state)
             # Reload the item for the epilogue (an L1 hit) rather than keep every field
             # live through the mainloop: registers are what the MMA warpgroups lack.
             item = WorkItem.load(mWork, mQStart, mKvLen, mPageStart, i)
@@ -562,13 +546,12 @@ class PodAttentionSm90:
     @cute.jit
     def mainloop_prefill(self, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_shape_S,
                          acc_O, rP, tOrP, softmax: OnlineSoftmax, mask_tile, sV,
-                         pipeline_q, q_state, pipeline_k, pipeline_v, kv_count: Int32,
-                         n_min: Int32, n_max: Int32, mask_from: Int32, kv_end: Int32,
-                         mma_tidx: Int32, wg: Int32):
+                         pipeline_k, pipeline_v, kv_count: Int32, n_min: Int32, n_max: Int32,
+                         mask_from: Int32, kv_end: Int32, mma_tidx: Int32, wg: Int32):
         """Every KV tile for this warpgroup's 64 rows (both MMA warpgroups read every
         stage). S of tile n overlaps P V of tile n-1 (intra-warpgroup), and the GEMMs of
         one warpgroup overlap the other's softmax (ping-pong: a warpgroup issues its GEMMs
-        on its turn, then hands the turn over). Q is released after the last S."""
+        on its turn, then hands the turn over)."""
         tile_n, stages = self.tile_n, self.num_stages
         schedule_barrier = Int32(NamedBarrier.SCHEDULE) + wg
         other_barrier = Int32(NamedBarrier.SCHEDULE) + 1 - wg
@@ -607,7 +590,6 @@ class PodAttentionSm90:
                 pipeline_v.consumer_release(v_state)
                 rescale_rows(acc_O, row_scale)
                 rP.store(acc_S.load().to(self.dtype))
-            pipeline_q.consumer_release(q_state)  # every S is done: Q may be refilled
             # Last tile's P V.
             v_state = stage(kv_count + n_max - 1 - n_min, stages)
             pipeline_v.consumer_wait(v_state)
@@ -622,8 +604,6 @@ class PodAttentionSm90:
                            False)
             warpgroup.wait_group(0)
             pipeline_v.consumer_release(v_state)
-        else:
-            pipeline_q.consumer_release(q_state)
 
     @cute.jit
     def mainloop_decode(self, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_shape_S,
@@ -699,7 +679,7 @@ class PodAttentionSm90:
                        tidx: Int32, wg: Int32):
         """Warpgroup 1 hands its (row max, partial row sums, O) to warpgroup 0 through
         shared memory, thread t to thread t (same fragment positions); warpgroup 0 folds
-        them into its own. Two MMA barriers: hand-over, and scratch free again."""
+        them into its own. Two barriers of their own: hand-over, and scratch free again."""
         n_o = cute.size(acc_O)
         n_r = cute.size(softmax.row_max)
         if wg == 1:
@@ -708,7 +688,8 @@ class PodAttentionSm90:
             for r in cutlass.range_constexpr(n_r):
                 sScratch[n_o + r, tidx] = softmax.row_max[r]
                 sScratch[n_o + n_r + r, tidx] = softmax.row_sum[r]
-        cute.arch.barrier(barrier_id=NamedBarrier.MMA, number_of_threads=self.num_mma_threads)
+        cute.arch.barrier(barrier_id=NamedBarrier.COMBINE_FULL,
+                          number_of_threads=self.num_mma_threads)
         if wg == 0:
             other_O = cute.make_rmem_tensor_like(acc_O, Float32)
             other_max = cute.make_rmem_tensor_like(softmax.row_max, Float32)
@@ -720,7 +701,8 @@ class PodAttentionSm90:
                 other_sum[r] = sScratch[n_o + n_r + r, tidx]
             scale_self, scale_other = softmax.merge(other_max, other_sum)
             combine_rows(acc_O, scale_self, other_O, scale_other)
-        cute.arch.barrier(barrier_id=NamedBarrier.MMA, number_of_threads=self.num_mma_threads)
+        cute.arch.barrier(barrier_id=NamedBarrier.COMBINE_EMPTY,
+                          number_of_threads=self.num_mma_threads)
 
     @cute.jit
     def epilogue(
