@@ -41,7 +41,6 @@ Costs are float64 microseconds, so no batch the capacities allow can overflow th
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 

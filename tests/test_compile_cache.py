@@ -8,7 +8,6 @@ import sys
 import textwrap
 
 import pytest
-import torch
 
 from podcute.compile import VariantKey, _kernel_source_files, cache_dir
 from podcute.kernels.config import KernelConfig

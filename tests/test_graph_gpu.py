@@ -9,7 +9,6 @@ tables, and index tensors on the CPU, in fixed device buffers, or as fresh devic
 tensors each step. Set PODCUTE_GRAPH_PAIRS (default 60) and PODCUTE_GPU_REPORT.
 """
 
-import json
 import os
 import random
 
@@ -162,15 +161,6 @@ KINDS = ["tiny", "long-decode", "prefill-heavy", "at-capacity", "mixed"]
 
 def _pairs():
     return [("issue", 0)] + [("random", i) for i in range(NUM_PAIRS - 1)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _write_report():
-    yield
-    path = os.environ.get("PODCUTE_GPU_REPORT")
-    if path:
-        with open(path, "w") as f:
-            json.dump(_report, f, indent=1)
 
 
 def _replay_and_check(e, b, fmt, name):

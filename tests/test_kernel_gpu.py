@@ -8,7 +8,6 @@ where the reference has it, and that every output element was written.
 Set PODCUTE_GPU_REPORT=path.json to get case counts and worst errors (docs/ records them).
 """
 
-import json
 import os
 import random
 
@@ -35,15 +34,6 @@ def _record(name, dtype, rel, lse_err):
     key = str(dtype).replace("torch.", "")
     _report["worst_rel_l2"][key] = max(_report["worst_rel_l2"].get(key, 0.0), rel)
     _report["worst_lse_abs"] = max(_report["worst_lse_abs"], lse_err)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _write_report():
-    yield
-    path = os.environ.get("PODCUTE_GPU_REPORT")
-    if path:
-        with open(path, "w") as f:
-            json.dump(_report, f, indent=1)
 
 
 _wrappers = {}

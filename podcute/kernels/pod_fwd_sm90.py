@@ -238,17 +238,16 @@ class PodAttentionSm90:
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
 
+        # This CTA's item list is read after setmaxnreg: a value live across the register
+        # reallocation goes through local memory (a spill).
         cta = cute.arch.block_idx()[0]
-        item_begin = mCtaPtr[cta]
-        item_end = mCtaPtr[cta + 1]
-
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
             self.produce(
                 mQ, mK, mV, mWork, mQStart, mKvLen, mPageStart, mPageList, page_size,
                 tma_atom_k, tma_atom_v, sQ, sK, sV,
                 storage.pages.get_tensor(cute.make_layout((self.tile_n, 2))),
-                pipeline_q, pipeline_k, pipeline_v, item_begin, item_end,
+                pipeline_q, pipeline_k, pipeline_v, mCtaPtr[cta], mCtaPtr[cta + 1],
             )
         else:
             cute.arch.setmaxregister_increase(self.cfg.mma_regs)
@@ -257,7 +256,7 @@ class PodAttentionSm90:
                 mMerge, mSlotMerge, mMergeSem, storage.merge_flag.get_tensor(cute.make_layout(1)),
                 storage.scratch.get_tensor(scratch_layout), mParams[Param.SM_SCALE],
                 tiled_mma_qk, tiled_mma_pv, sQ, sK, sV,
-                pipeline_q, pipeline_k, pipeline_v, item_begin, item_end,
+                pipeline_q, pipeline_k, pipeline_v, mCtaPtr,
             )
 
     def _make_kv_pipeline(self, barriers, producers, consumers):
@@ -461,8 +460,7 @@ class PodAttentionSm90:
         pipeline_q: pipeline.PipelineAsync,
         pipeline_k: pipeline.PipelineAsync,
         pipeline_v: pipeline.PipelineAsync,
-        item_begin: Int32,
-        item_end: Int32,
+        mCtaPtr: cute.Tensor,
     ):
         tile_n, d = self.tile_n, self.head_dim
         mma_tidx = cute.arch.thread_idx()[0] - WARPGROUP_THREADS  # 0 .. num_mma_threads
@@ -497,7 +495,11 @@ class PodAttentionSm90:
             cute.arch.barrier_arrive(barrier_id=NamedBarrier.SCHEDULE,
                                      number_of_threads=self.num_mma_threads)
 
-        for i in cutlass.range(item_begin, item_end, unroll=1):
+        # This CTA's items [mCtaPtr[cta], mCtaPtr[cta + 1]); the end is re-read (an L1 hit)
+        # rather than held: the MMA warpgroups have no register to spare for it.
+        q_count = Int32(0)
+        i = mCtaPtr[cute.arch.block_idx()[0]]
+        while i < mCtaPtr[cute.arch.block_idx()[0] + 1]:
             item = WorkItem.load(mWork, mQStart, mKvLen, mPageStart, i)
             decode = Int32(item.is_decode)
             # Rows of this warpgroup: its own 64 (prefill) or all of the item's (decode).
@@ -506,7 +508,7 @@ class PodAttentionSm90:
                 item.row_start + row_offset, self.group, self.causal, tile_n)
             softmax.reset()
             acc_O.fill(0.0)
-            q_state = stage(i - item_begin, 1)
+            q_state = stage(q_count, 1)
             pipeline_q.consumer_wait(q_state)
             mask_tile = partial(
                 apply_mask, tScS=tScS, row_start=item.row_start + row_offset,
@@ -542,6 +544,8 @@ class PodAttentionSm90:
                     sFlag, item.split_slot, self.group, d, mma_tidx, self.num_mma_threads,
                     barrier_id=NamedBarrier.MMA,
                 )
+            q_count += 1
+            i += 1
 
     @cute.jit
     def mainloop_prefill(self, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_shape_S,
