@@ -641,12 +641,16 @@ class Planner:
                 name = "block_table" if page_count is None else "kv_indices"
                 raise ValueError(f"{name} holds a negative page index ({lo}) among the pages "
                                  f"request {b} reads")
-        sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(cfg.head_dim)
+        given = sm_scale
+        try:
+            sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(cfg.head_dim)
+        except OverflowError:  # an int past float64
+            sm_scale = math.inf
         with np.errstate(over="ignore"):
             f32 = np.float32(sm_scale)
         if not (np.isfinite(f32) and f32 > 0):
             raise ValueError(f"sm_scale must be a positive float32 (the kernel's type), got "
-                             f"{sm_scale}")
+                             f"{given}")
 
         # The page list the kernel reads is a plan-owned copy: a block table's first
         # max(used) columns of every row, or the CSR indices in use.

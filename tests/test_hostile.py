@@ -56,7 +56,7 @@ def test_block_table_row_stride_past_int32_is_copied_not_wrapped():
 def test_sm_scale_must_fit_float32():
     a = PODAttention(8, 8, 128, 16, device="cpu")
     args = (torch.tensor([0, 1], **I32), torch.tensor([5], **I32))
-    for bad in (1e39, -1.0, 0.0, float("nan"), float("inf"), 1e-46):
+    for bad in (1e39, -1.0, 0.0, float("nan"), float("inf"), 1e-46, 10**400):
         with pytest.raises(ValueError) as e:
             a.plan(*args, block_table=torch.zeros(1, 1, **I32), sm_scale=bad)
         _match(e, "sm_scale", "float32")

@@ -497,7 +497,6 @@ class PodAttentionSm90:
 
         # This CTA's items [mCtaPtr[cta], mCtaPtr[cta + 1]); the end is re-read (an L1 hit)
         # rather than held: the MMA warpgroups have no register to spare for it.
-        q_count = Int32(0)
         i = mCtaPtr[cute.arch.block_idx()[0]]
         while i < mCtaPtr[cute.arch.block_idx()[0] + 1]:
             item = WorkItem.load(mWork, mQStart, mKvLen, mPageStart, i)
@@ -508,7 +507,7 @@ class PodAttentionSm90:
                 item.row_start + row_offset, self.group, self.causal, tile_n)
             softmax.reset()
             acc_O.fill(0.0)
-            q_state = stage(q_count, 1)
+            q_state = stage(i - mCtaPtr[cute.arch.block_idx()[0]], 1)  # the item's Q use
             pipeline_q.consumer_wait(q_state)
             mask_tile = partial(
                 apply_mask, tScS=tScS, row_start=item.row_start + row_offset,
@@ -527,9 +526,12 @@ class PodAttentionSm90:
                     n_min, n_max, mask_from, item.kv_end, mma_tidx, wg)
             kv_count += n_max - n_min
             pipeline_q.consumer_release(q_state)
-            # Reload the item for the epilogue (an L1 hit) rather than keep every field
-            # live through the mainloop: registers are what the MMA warpgroups lack.
+            # Reload the item for the epilogue (an L1 hit), and derive its kind and this
+            # warpgroup's rows from it again, rather than keep them live through the
+            # mainloop: registers are what the MMA warpgroups lack.
             item = WorkItem.load(mWork, mQStart, mKvLen, mPageStart, i)
+            decode = Int32(item.is_decode)
+            row_offset = wg * WG_ROWS * (1 - decode)
             if decode != 0:
                 # Fold warpgroup 1's softmax state and O into warpgroup 0's.
                 self.combine_decode(softmax, acc_O, sScratch, tidx, wg)
@@ -544,7 +546,6 @@ class PodAttentionSm90:
                     sFlag, item.split_slot, self.group, d, mma_tidx, self.num_mma_threads,
                     barrier_id=NamedBarrier.MMA,
                 )
-            q_count += 1
             i += 1
 
     @cute.jit
