@@ -526,12 +526,15 @@ class PodAttentionSm90:
                     n_min, n_max, mask_from, item.kv_end, mma_tidx, wg)
             kv_count += n_max - n_min
             pipeline_q.consumer_release(q_state)
-            # Reload the item for the epilogue (an L1 hit), and derive its kind and this
-            # warpgroup's rows from it again, rather than keep them live through the
-            # mainloop: registers are what the MMA warpgroups lack.
+            # Reload the item for the epilogue (an L1 hit) rather than keep every field
+            # live through the mainloop: registers are what the MMA warpgroups lack.
             item = WorkItem.load(mWork, mQStart, mKvLen, mPageStart, i)
-            decode = Int32(item.is_decode)
-            row_offset = wg * WG_ROWS * (1 - decode)
+            if const_expr(self.tma_kv):
+                # With TMA pages, re-deriving the kind and rows too keeps fp16 causal
+                # variants from spilling; with gathered pages it makes them spill
+                # (ptxas at the 240 / 232 register edge, measured per variant).
+                decode = Int32(item.is_decode)
+                row_offset = wg * WG_ROWS * (1 - decode)
             if decode != 0:
                 # Fold warpgroup 1's softmax state and O into warpgroup 0's.
                 self.combine_decode(softmax, acc_O, sScratch, tidx, wg)
