@@ -107,13 +107,20 @@ def _check_out_memory(out: torch.Tensor, named) -> None:
             raise ValueError(f"out's elements overlap each other (shape {tuple(out.shape)}, "
                              f"strides {tuple(out.stride())}); pass a non-overlapping buffer")
         span += (n - 1) * s
+    name = _overlapped(out, named)
+    if name is not None:
+        raise ValueError(f"out overlaps {name} in memory; the kernel reads {name} while it "
+                         "writes out, so out must be a separate buffer (not q itself)")
+
+
+def _overlapped(out: torch.Tensor, named):
+    """The name of the first (name, tensor) whose byte range meets out's, or None."""
     lo, hi = _extent(out)
     for name, t in named:
         tlo, thi = _extent(t)
         if lo < thi and tlo < hi:
-            raise ValueError(f"out overlaps {name} in memory (out spans bytes [{lo:#x}, {hi:#x}), "
-                             f"{name} [{tlo:#x}, {thi:#x})); the kernel reads {name} while it "
-                             "writes out, so out must be a separate buffer (not q itself)")
+            return name
+    return None
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
@@ -257,11 +264,8 @@ class PODAttention:
                 if (so[0] < out.shape[1] * so[1] or so[1] < out.shape[2]
                         or out.shape != q.shape):
                     return False
-                lo, hi = _extent(out)
-                for t in tensors[:3]:
-                    tlo, thi = _extent(t)
-                    if lo < thi and tlo < hi:
-                        return False
+                if _overlapped(out, zip(("q", "k_cache", "v_cache"), tensors)) is not None:
+                    return False
             return (q.shape[0] >= plan.total_q and q.shape[1:] == self._q_tail
                     and q.shape[0] < 2**31
                     and k_cache.shape[1:] == self._cache_tail and v_cache.shape == k_cache.shape

@@ -19,12 +19,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from podcute.kernels.config import SUPPORTED_ARCHS, KernelConfig
 from podcute.kernels.metadata import MERGE_COLS, NUM_PARAMS, WORK_COLS
-
-_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def _kernel_source_files() -> list[Path]:

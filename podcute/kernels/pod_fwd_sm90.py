@@ -12,15 +12,15 @@ CTA = 1 producer warpgroup + `num_mma_warpgroups` (2) MMA warpgroups, FA3's stru
     whole KV tiles, else a cp.async gather of page rows;
   * MMA warpgroups (the rest of the registers), each with its own 64 rows of Q:
     S = Q K^T (wgmma SS), mask only on tiles that need it, online softmax in registers,
-    O += P V (wgmma RS), with S of tile n overlapping P V of tile n-1 (intra-warpgroup)
-    and one warpgroup's softmax overlapping the other's GEMMs (inter-warpgroup ping-pong
-    on named barriers).
+    O += P V (wgmma RS).
       - prefill item (up to 128 rows): each warpgroup owns 64 rows; both read every
-        K/V stage, so a K/V tile crosses L2 once per 128 rows;
+        K/V stage, so a K/V tile crosses L2 once per 128 rows; S of tile n overlaps P V
+        of tile n-1 (intra-warpgroup) and one warpgroup's softmax overlaps the other's
+        GEMMs (inter-warpgroup ping-pong on named barriers);
       - decode item (up to 64 rows, the whole GQA group x q_len): both warpgroups hold
         the same rows and take alternate KV tiles (the owner of a tile releases its
-        stage for both), then fold their softmax states together in shared memory, so
-        both stream HBM.
+        stage for both; no overlap within a tile, the work is memory-bound), then fold
+        their softmax states together in shared memory, so both stream HBM.
     Epilogue to `out`/`lse`, or for a split of a long KV range to fp32 partials; the CTA
     that finishes a split group's last piece merges them (`split_merge`): one launch.
 """
