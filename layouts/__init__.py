@@ -5,6 +5,7 @@ Plain Python helpers, called while tracing ``@cute.jit`` / ``@cute.kernel`` code
 
 from .paged_kv import (
     KV_LAYOUTS,
+    PageShift,
     canonical_kv,
     clamp_token,
     kv_locate,
@@ -18,6 +19,7 @@ from .ragged import packed_coord, packed_lse, packed_rows, partial_lse, partial_
 
 __all__ = [
     "KV_LAYOUTS",
+    "PageShift",
     "canonical_kv",
     "clamp_token",
     "kv_locate",

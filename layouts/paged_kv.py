@@ -17,10 +17,24 @@ addressed correctly (offsets are computed as page (Int32) x stride (Int64)). A
 hand-built cache layout must likewise carry Int64 strides.
 """
 
+from dataclasses import dataclass
+
 import cutlass
 import cutlass.cute as cute
 
 KV_LAYOUTS = ("NHD", "HND")
+
+
+@dataclass(frozen=True)
+class PageShift:
+    """A runtime page size that is a power of two, as its log2: a token splits into
+    (page, slot) with a shift and a mask (one register, where a general runtime divisor
+    needs three and a multiply-high)."""
+
+    shift: cutlass.Int32
+
+    def split(self, token):
+        return token >> self.shift, token & ((cutlass.Int32(1) << self.shift) - 1)
 
 # Modes of the given tensor that land at canonical (page, slot, kv_head, dim).
 _TO_CANONICAL = {"NHD": (0, 1, 2, 3), "HND": (0, 2, 1, 3)}
@@ -57,6 +71,7 @@ def split_token(token, page_size):
     ``page_size`` may be
       * a Python int (compile time): a power of two becomes shift/mask, any other value
         a division by a constant (the compiler turns it into a multiply-high);
+      * a :class:`PageShift` (runtime power-of-two page size, as its log2);
       * a ``cute.FastDivmodDivisor`` (runtime page size, precomputed magic number);
       * an Int32 (runtime page size; a real integer division, the slow fallback).
     ``token`` must be >= 0 (shift and signed division agree only there).
@@ -68,6 +83,8 @@ def split_token(token, page_size):
             shift = page_size.bit_length() - 1
             return token >> shift, token & (page_size - 1)
         return token // page_size, token % page_size
+    if isinstance(page_size, PageShift):
+        return page_size.split(token)
     if isinstance(page_size, cute.FastDivmodDivisor):
         return divmod(token, page_size)
     return token // page_size, token % page_size

@@ -4,11 +4,15 @@
 #   bash perf/gpu_check.sh STEP...      STEP: demo kernel graph memcheck racecheck
 #                                             synccheck quick-bench bench ncu-W-PAGE
 #                                             (ncu of workload W at page PAGE, e.g. ncu-F1-16)
+#                                             ncu-base-W-PAGE (the same for the source tree
+#                                             unpacked in .device/base, for before/after)
 #
 # Installs podcute, loads the kernel cache carried in .device/pcache (perf/warm_cache.py
 # fills it on a CPU machine), runs the steps in order (each under a timeout), and writes
 # logs and JSON under $OUT. Env: PODCUTE_GPU_RANDOM (kernel sweep size, default 200),
-# PODCUTE_GRAPH_PAIRS (default 60), BENCH_ARGS (extra perf.bench arguments).
+# PODCUTE_GRAPH_PAIRS (default 60), BENCH_ARGS (extra perf.bench arguments), DEADLINE_S
+# (seconds for all steps; later steps are cut short or skipped), PYTEST_ADDOPTS (e.g. a
+# per-test --timeout, so a hung launch fails its test instead of the whole step).
 set -u
 OUT=${OUT:-/tmp/podcute-out}
 mkdir -p "$OUT"
@@ -25,9 +29,17 @@ if ! python -c "import podcute.layouts" 2>>"$OUT/install.log"; then
 fi
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader | tee "$OUT/gpu.txt"
 
+NCU_SECTIONS=(--section SpeedOfLight --section WarpStateStats --section ComputeWorkloadAnalysis
+  --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats
+  --section InstructionStats --metrics "${NCU_METRICS:-sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__cycles_active.avg.pct_of_peak_sustained_elapsed}")
 status=0
+DEADLINE=${DEADLINE_S:-100000}  # seconds for all steps: a device call has a hard limit, and
+                                # the archive below must still be written
 step() {  # step NAME SECONDS CMD...: run, log, record the exit code
   local name=$1 secs=$2; shift 2
+  local left=$((DEADLINE - SECONDS - 15))
+  if [ $left -lt 20 ]; then echo "=== $name skipped: deadline" | tee -a "$OUT/summary.txt"; status=1; return 1; fi
+  [ $secs -gt $left ] && secs=$left
   echo "=== $name" | tee -a "$OUT/summary.txt"
   local t0=$SECONDS
   timeout "$secs" "$@" >"$OUT/$name.log" 2>&1
@@ -54,10 +66,13 @@ for s in "$@"; do
     quick-bench) step quick-bench 400 python -m perf.bench --quick --no-sweep \
         --out "$OUT/bench" ${BENCH_ARGS:-} && sed -n '/^| workload/,/^$/p' "$OUT/bench/bench.md" ;;
     bench) step bench 580 python -m perf.bench --out "$OUT/bench" ${BENCH_ARGS:-} ;;
+    ncu-base-*) w=${s#ncu-base-}  # the same profile of the tree in .device/base
+        step "$s" 240 env -C .device/base PYTHONPATH=$PWD/.device/base:${PYTHONPATH:-} \
+        ncu --clock-control none -k regex:kernel_cutlass --launch-skip 3 --launch-count 1 \
+        "${NCU_SECTIONS[@]}" python -m perf.profile_one ${w%-*} ${w##*-} ;;
     ncu-*) w=${s#ncu-}; step "$s" 240 ncu --clock-control none -k regex:kernel_cutlass \
-        --launch-skip 3 --launch-count 1 --section SpeedOfLight --section WarpStateStats \
-        --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section Occupancy \
-        --section LaunchStats python -m perf.profile_one ${w%-*} ${w##*-} ;;
+        --launch-skip 3 --launch-count 1 "${NCU_SECTIONS[@]}" \
+        python -m perf.profile_one ${w%-*} ${w##*-} ;;
     *) echo "unknown step $s"; status=2 ;;
   esac
 done

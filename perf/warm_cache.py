@@ -23,11 +23,14 @@ VARIANTS = sorted({
     ("bfloat16", 128, 4, False, True, 16), ("float16", 64, 4, False, True, 1),
     ("bfloat16", 64, 4, True, True, 128), ("float16", 128, 4, False, True, 64),
     ("bfloat16", 128, 4, True, True, 128), ("bfloat16", 128, 4, True, True, 1),
+    ("bfloat16", 128, 8, True, True, 8), ("float16", 64, 8, True, True, 256),
+    ("bfloat16", 128, 7, True, True, 32),
     # tests/test_graph_gpu.py
     ("float16", 64, 1, True, True, 16),
     # tests/gpu_sanitize.py
     ("bfloat16", 128, 8, False, True, 128), ("bfloat16", 64, 8, True, True, 128),
     ("bfloat16", 64, 1, True, True, 1), ("float16", 64, 1, True, False, 16),
+    ("bfloat16", 128, 4, True, True, 8),
     # demo and perf.bench (32/8/128 and 16/4/128, pages 16 and 128)
     ("bfloat16", 128, 4, True, False, 16), ("bfloat16", 128, 4, True, False, 128),
 })

@@ -123,7 +123,7 @@ def _fake_args(key: VariantKey):
     # Order: PodAttentionSm90.__call__ (q, k, v, out, lse, then Planner.kernel_args).
     return (rows3(), cache(), cache(), rows3(), lse, work, ivec(), ivec(), ivec(), ivec(), ivec(),
             partial_o, partial_lse, merge, ivec(), ivec(), params,
-            cutlass.Int32(16), cutlass.Int32(1), stream)
+            cutlass.Int32(4), cutlass.Int32(1), stream)
 
 
 _cache: dict = {}
@@ -185,13 +185,13 @@ def shipped_variants(arch: str = "sm_90a"):
     """The variants `python -m podcute compile` builds ahead of time (and CI compiles).
 
     GQA groups 1 (MHA), 4, 7 and 8 cover the common models; any other group (MQA of 32
-    heads, say) compiles on first use (~3 s on an H200). Page sizes 128 and 16 stand for
-    the two page classes (whole-tile TMA boxes, cp.async gather).
+    heads, say) compiles on first use (~3 s on an H200). Page sizes 128, 16 and 1 stand
+    for the three page classes (whole-tile TMA boxes, 16-slot TMA boxes, cp.async gather).
     """
     return [
         VariantKey.make(KernelConfig.select(dtype, head_dim, group, causal, has_lse,
                                             page_size, arch=arch))
-        for page_size in (128, 16)
+        for page_size in (128, 16, 1)
         for dtype in ("bfloat16", "float16")
         for head_dim in (64, 128)
         for group in (1, 4, 7, 8)
@@ -252,9 +252,11 @@ def _compile(key: VariantKey, keep_ptx: bool):
     pod_args = _fake_args(key)
     options = "--enable-tvm-ffi"
     if keep_ptx:  # kept in memory (__ptx__); the dump itself goes to a scratch folder
-        scratch = Path(tempfile.gettempdir()) / "podcute-ptx"
-        scratch.mkdir(exist_ok=True)
-        options += f" --keep-ptx --dump-dir {scratch}"
+        # One folder per process: the dumps of every variant share a file name, and
+        # parallel compiles (compile_many) would read each other's half-written files.
+        scratch = Path(tempfile.gettempdir()) / "podcute-ptx" / str(os.getpid())
+        scratch.mkdir(parents=True, exist_ok=True)
+        options += f" --keep-ptx --keep-cubin --dump-dir {scratch}"
     pod = cute.compile(PodAttentionSm90(key.config), *pod_args, options=options)
     return pod
 

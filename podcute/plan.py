@@ -490,7 +490,7 @@ class Planner:
         self.kernel_args = (d["work"], d["cta_ptr"], d["q_start"], d["kv_len"],
                             d["page_start"], self._page_list, self._partial_o,
                             self._partial_lse, d["merge"], d["slot_merge"], self._merge_sem,
-                            d["params"], cfg.page_size, grid)
+                            d["params"], cfg.page_size.bit_length() - 1, grid)
 
     def freeze(self) -> None:
         """Fix the buffers where they are: a CUDA graph has captured their addresses. From

@@ -2,8 +2,8 @@
 
     compute-sanitizer --tool memcheck python tests/gpu_sanitize.py [--small]
 
-Covers both page classes (cp.async gather at page 1 and 16, TMA boxes with a zeroed V
-tail at page 128), D 64 and 128, split-KV with the in-kernel merge, decode items (both
+Covers the three page classes (cp.async gather at pages 1 and 8, 16-slot TMA boxes at
+page 16, whole-tile TMA boxes with a zeroed V tail at page 128), D 64 and 128, split-KV with the in-kernel merge, decode items (both
 MMA warpgroups, combined in shared memory), prefill items (ping-pong), causal and not,
 and a CUDA graph captured without splits replayed after a plan with splits. Exits
 non-zero if an output is wrong; the sanitizer reports the rest. `--small` shrinks the
@@ -33,7 +33,9 @@ def main(small: bool) -> int:
     s = 4 if small else 1
     cases = [
         # (name, Hq, Hkv, D, page, fmt, causal, q_lens, kv_lens)
-        ("gather p16 mixed+splits", 8, 2, 128, 16, "table", True,
+        ("16-slot boxes p16 mixed+splits", 8, 2, 128, 16, "table", True,
+         [300 // s, 1, 1, 5, 0, 1, 8], [700, 64, 1, 900, 17, 8000 // s, 8]),
+        ("gather p8 mixed+splits", 8, 2, 128, 8, "table", True,
          [300 // s, 1, 1, 5, 0, 1, 8], [700, 64, 1, 900, 17, 8000 // s, 8]),
         ("gather p1 csr D64", 8, 8, 64, 1, "csr", True, [1, 2, 200 // s], [3000 // s, 40, 500]),
         ("tma p128 non-causal tail", 16, 2, 128, 128, "table", False,

@@ -104,7 +104,10 @@ GRID = [
     dict(dtype=torch.bfloat16, d=128, page=16, causal=False),
     dict(dtype=torch.float16, d=64, page=1, layout="HND", fmt="csr", causal=False),
     dict(dtype=torch.bfloat16, d=64, page=128, layout="HND", interleaved=True),  # TMA, D 64
-    dict(dtype=torch.float16, d=128, page=64, fmt="csr", causal=False),  # TMA, page == tile
+    dict(dtype=torch.float16, d=128, page=64, fmt="csr", causal=False),  # 16-slot boxes
+    dict(dtype=torch.bfloat16, d=128, page=8, hq=16, hkv=2),  # gather, 64-token tiles
+    dict(dtype=torch.float16, d=64, page=256, hq=8, hkv=1, layout="HND"),  # 2 tiles a page
+    dict(dtype=torch.bfloat16, d=128, page=32, hq=28, hkv=4, interleaved=True),  # G 7, boxes
 ]
 
 
@@ -147,6 +150,6 @@ def test_random_mixed(seed):
         kv_lens.append(kv)
     if sum(q_lens) == 0:
         q_lens[0] = 1
-    check(f"random {seed}", q_lens, kv_lens, page=rng.choice([1, 16, 64, 128]),
+    check(f"random {seed}", q_lens, kv_lens, page=rng.choice([1, 8, 16, 32, 64, 128, 256]),
           fmt=rng.choice(["table", "csr"]), interleaved=rng.random() < 0.3,
           strided_q=rng.random() < 0.3, seed=seed, pad_rows=rng.choice([0, 0, 0, 7]))

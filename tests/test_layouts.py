@@ -24,6 +24,7 @@ from cutlass import Int32, const_expr  # noqa: E402
 from cutlass.cute.runtime import from_dlpack  # noqa: E402
 
 from podcute.layouts import (  # noqa: E402
+    PageShift,
     canonical_kv,
     kv_locate,
     kv_row,
@@ -74,6 +75,8 @@ def _gather_kv(mK: cute.Tensor, mV: cute.Tensor, page_list: cute.Tensor,
         ps = ps_static
     elif const_expr(ps_mode == "int32"):
         ps = ps_dyn
+    elif const_expr(ps_mode == "shift"):
+        ps = PageShift(ps_dyn)
     else:
         ps = cute.fast_divmod_create_divisor_v2(ps_dyn)
     H = kc.shape[2]
@@ -198,13 +201,14 @@ def _check_gather(seed, kv_layout, page_size, ps_mode, storage, fmt, static_layo
     meta = [i32(page_starts), i32(kv_lens), i32(out_starts[:-1]), i32(tile_starts[:-1])]
     ps_static = page_size if ps_mode == "static" else 0
     consts = (kv_layout, ps_mode, ps_static)
+    ps_arg = page_size.bit_length() - 1 if ps_mode == "shift" else page_size
     if static_layout:  # layouts fully static (plain from_dlpack): compiled per shape
         args = [from_dlpack(x) for x in [K, V, page_list] + meta + outs]
-        _gather_kv(*args, page_size, *consts)
+        _gather_kv(*args, ps_arg, *consts)
     else:
         args = [dyn(x) for x in [K, V, page_list] + meta + outs]
-        fn = compiled(_gather_kv, consts, *args, page_size, *consts)
-        fn(*args, page_size)
+        fn = compiled(_gather_kv, consts, *args, ps_arg, *consts)
+        fn(*args, ps_arg)
 
     Kc, Vc = _canon_torch(K, kv_layout), _canon_torch(V, kv_layout)
     for b, n in enumerate(kv_lens):
@@ -229,10 +233,12 @@ def test_kv_gather_static_page_size(kv_layout, page_size):
                               page_size, "static", storage, fmt)
 
 
-@pytest.mark.parametrize("ps_mode", ["int32", "fastdivmod"])
+@pytest.mark.parametrize("ps_mode", ["int32", "fastdivmod", "shift"])
 @pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
 def test_kv_gather_runtime_page_size(kv_layout, ps_mode):
     for i, page_size in enumerate(PAGE_SIZES + [3, 32]):
+        if ps_mode == "shift" and page_size & (page_size - 1):
+            continue  # PageShift is for powers of two (every page size the kernel takes)
         for storage, fmt in (("interleaved", "csr"), ("separate", "block_table")):
             _check_gather(77 + i, kv_layout, page_size, ps_mode, storage, fmt)
 

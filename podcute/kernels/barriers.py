@@ -1,7 +1,11 @@
 """Named hardware barriers of the fused kernel (id 0 is __syncthreads).
 
-Thread counts come from the KernelConfig (``num_mma_threads``, one warpgroup = 128), so
-the ids below are the only barrier facts written down.
+Thread counts come from the KernelConfig (``num_mma_threads``, ``num_threads``, one
+warpgroup = 128), so the ids below are the only barrier facts written down. Where one
+side arrives and the other syncs (``bar.arrive`` / ``bar.sync``), each barrier instance
+gets exactly one arriving group and one syncing group, so every count is the sum of two
+warpgroups' threads. Barriers that order shared-memory data between warpgroups are full
+bar.sync on both sides (compute-sanitizer's racecheck does not credit an arrive).
 """
 
 from enum import IntEnum
@@ -10,14 +14,20 @@ MAX_MMA_WARPGROUPS = 2
 
 
 class NamedBarrier(IntEnum):
-    # Every MMA thread: the decode combine, the shared V-tail zeroing, the split merge.
+    # Every MMA thread: the shared V-tail zeroing of a prefill tile, the split merge.
     MMA = 1
-    # + warpgroup index: one MMA warpgroup (its own V-tail zeroing in a decode item).
+    # + warpgroup index: one MMA warpgroup (its V-tail zeroing in a decode item, its O
+    # staging tile in the epilogue).
     WARPGROUP = 2
-    # + warpgroup index: ping-pong turn, "this MMA warpgroup may issue its GEMMs".
+    # + warpgroup index: ping-pong turn, "this MMA warpgroup may issue its GEMMs"; the
+    # other warpgroup arrives after issuing its own.
     SCHEDULE = WARPGROUP + MAX_MMA_WARPGROUPS
     # The producer warpgroup: a KV tile's page lookups are in shared memory.
     PRODUCER = SCHEDULE + MAX_MMA_WARPGROUPS
-    # Decode combine: warpgroup 1's state is in the scratch / the scratch is free again.
+    # Decode combine, both MMA warpgroups: the scratch is free (warpgroup 0 is done with
+    # it, its O staging included) / warpgroup 1's state is in it.
     COMBINE_FULL = PRODUCER + 1
     COMBINE_EMPTY = PRODUCER + 2
+    # End of the CTA: the MMA warpgroups arrive when their last item is done; the
+    # producer warpgroup syncs, so no warp of the CTA exits while others still run.
+    CTA_END = PRODUCER + 3

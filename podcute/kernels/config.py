@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 
 SUPPORTED_HEAD_DIMS = (64, 128)
-SUPPORTED_PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+SUPPORTED_PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # powers of two: the kernel takes log2
 SUPPORTED_ARCHS = ("sm_90a",)
 SUPPORTED_DTYPES = ("bfloat16", "float16")
 
@@ -34,8 +34,9 @@ class KernelConfig:
       * ``ctas_per_sm`` and the ``setmaxnreg`` split between the producer warpgroup and
         the MMA warpgroups.
     Feature flags (per variant): GQA group, causal, LSE output, page class (``kv_box``:
-    the rows of one TMA box, 128 when pages hold whole KV tiles; 0 for smaller pages,
-    whose rows a cp.async gather resolves).
+    the KV rows of one TMA box: 128 when pages hold whole KV tiles, 16 for pages of 16,
+    32 or 64 tokens (one box per 16 slots of a page); 0 for pages of 1-8 tokens, whose
+    rows a cp.async gather resolves).
     """
 
     arch: str
@@ -73,16 +74,32 @@ class KernelConfig:
         """Rows of one split-KV partial slot: the largest item."""
         return max(self.tile_m_prefill, self.tile_m_decode)
 
+    @property
+    def combine_floats(self) -> int:
+        """fp32 words of the decode-combine scratch: per thread of a warpgroup, its O
+        fragment (tile_m_decode x D / 128) and its 2 row maxima + 2 partial row sums."""
+        return WARPGROUP_THREADS * (self.tile_m_decode * self.head_dim // WARPGROUP_THREADS + 4)
+
+    @property
+    def staging_row(self) -> int:
+        """Elements per row of a warpgroup's O staging tile (64 x D in q's dtype): D plus
+        16 bytes, so the quads of a warp store to distinct banks."""
+        return self.head_dim + 16 // self.elem_bytes
+
+    def staging_bytes(self) -> int:
+        """One MMA warpgroup's O staging tile (its 64 rows, q's dtype, padded rows)."""
+        return 64 * self.staging_row * self.elem_bytes
+
     def smem_bytes(self) -> int:
-        """Q tile + K/V stages + the decode-combine scratch + the gather's page lookups
-        + barriers and alignment (the kernel's SharedStorage)."""
+        """Q tile + K/V stages + the decode-combine scratch (also warpgroup 0's O staging)
+        + warpgroup 1's O staging + the gather's page lookups + barriers and alignment
+        (the kernel's SharedStorage)."""
         e, d = self.elem_bytes, self.head_dim
         q = self.tile_m_prefill * d * e
         kv = 2 * self.num_stages * self.tile_n * d * e
-        # Combine scratch: one warpgroup's fp32 O fragment + 4 row statistics per thread.
-        scratch = WARPGROUP_THREADS * (self.tile_m_decode * d // WARPGROUP_THREADS + 4) * 4
+        scratch = max(4 * self.combine_floats, self.staging_bytes())
         pages = 2 * self.tile_n * 4
-        return q + kv + scratch + pages + 6 * 1024  # (ncu: 200.7 KB at D 128, under this)
+        return q + kv + scratch + self.staging_bytes() + pages + 6 * 1024
 
     def can_implement(self) -> tuple[bool, str]:
         """(True, "") if this configuration is buildable, else (False, why)."""
@@ -98,8 +115,9 @@ class KernelConfig:
             return False, "each MMA warpgroup owns 64 rows (one m64 wgmma)"
         if self.tile_n % 16 or self.tile_n > 256:
             return False, f"tile_n {self.tile_n} must be a multiple of 16 up to 256"
-        if self.kv_box not in (0, self.tile_n):
-            return False, f"kv_box {self.kv_box}: a TMA box is one whole tile ({self.tile_n}) or 0"
+        if self.kv_box not in (0, 16, self.tile_n):
+            return False, (f"kv_box {self.kv_box}: a TMA box is 16 rows, one whole tile "
+                           f"({self.tile_n}) or 0 (gathered rows)")
         if self.num_stages < 2:
             return False, "the K/V pipeline needs >= 2 stages"
         if self.smem_bytes() * self.ctas_per_sm > SMEM_BYTES_PER_SM:
@@ -140,20 +158,26 @@ class KernelConfig:
             raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
         # FA3's structure: one CTA per SM = a producer warpgroup + two MMA warpgroups of
         # 64 rows over 128-token K/V tiles. D 128: Q 32 KB + 2 stages x (K + V) 128 KB +
-        # 34 KB decode-combine scratch; D 64 halves every tile, so 4 stages fit.
-        stages = 2 if head_dim == 128 else 4
-        # Page class: one TMA box per tile when pages hold whole tiles, else a cp.async
-        # row gather. (16-row boxes for pages of 16..64 tokens hung on the H200 in their
-        # first test and are not shipped: docs/performance.md.)
-        kv_box = 128 if page_size % 128 == 0 else 0
+        # 34 KB decode-combine scratch + 17 KB O staging; D 64 halves every tile, so 4
+        # stages fit.
+        # Page class: TMA boxes of whole tiles when pages hold them; of 16 page slots (8
+        # boxes a tile, each inside one page) for pages of 16..64 tokens; else a cp.async
+        # row gather (pages of 1..8 tokens: boxes that small would cost more issue slots
+        # than the copies they replace).
+        kv_box = 128 if page_size % 128 == 0 else 16 if page_size % 16 == 0 else 0
         # setmaxnreg split (multiples of 8, at most 512 per thread slot of the three
-        # warpgroups): a one-box TMA producer needs few registers; a cp.async gather needs
+        # warpgroups): a TMA producer needs few registers; a cp.async gather needs
         # more, taken from the MMA warpgroups.
-        producer_regs, mma_regs = {128: (24, 240), 0: (40, 232)}[kv_box]
+        producer_regs, mma_regs = (24, 240) if kv_box else (40, 232)
+        # The gathering producer's 40 registers leave the MMA warpgroups 232, too few for
+        # 128-token tiles (S, P and O fragments live together); its 64-token tiles (twice
+        # the stages, the same bytes in flight) fit. Pages of 1-8 tokens are gather-bound.
+        tile_n = 128 if kv_box else 64
+        stages = (2 if head_dim == 128 else 4) * (128 // tile_n)
         cfg = KernelConfig(
             arch=arch, dtype=dtype, head_dim=head_dim, group=group, causal=bool(causal),
             has_lse=bool(has_lse), kv_box=kv_box, tile_m_prefill=128, tile_m_decode=64,
-            tile_n=128, num_stages=stages, num_mma_warpgroups=2, ctas_per_sm=1,
+            tile_n=tile_n, num_stages=stages, num_mma_warpgroups=2, ctas_per_sm=1,
             producer_regs=producer_regs, mma_regs=mma_regs,
         )
         ok, why = cfg.can_implement()

@@ -12,7 +12,7 @@ from typing import Callable
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Int64
+from cutlass import Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync
 
 COPY_BITS = 128  # 16-byte cp.async: global rows must be 16-byte aligned (checked by the API)
@@ -25,13 +25,16 @@ class RowGather:
     tXcX: cute.Tensor  # (row, col) of each element this thread copies
     dtype: cutlass.Constexpr
     head_dim: cutlass.Constexpr[int]
+    rolled: cutlass.Constexpr[bool]
 
     @staticmethod
     def create(dtype, num_rows: int, head_dim: int, num_threads: int, tidx: Int32,
-               threads_per_row: int = 8) -> "RowGather":
+               threads_per_row: int = 8, rolled: bool = False) -> "RowGather":
         """`threads_per_row` threads copy a row, 16 B each per pass: 8 make a warp read
         whole 128 B lines (4 rows per warp instruction); fewer leave each thread fewer
-        rows to resolve (registers) at half-line granularity."""
+        rows to resolve (registers) at half-line granularity. `rolled` copies a thread's
+        rows in a loop rather than unrolled: one row address live at a time, for a
+        producer at its register floor."""
         elems = COPY_BITS // dtype.width
         threads_per_row = math.gcd(head_dim // elems, threads_per_row)
         atom = cute.make_copy_atom(
@@ -45,7 +48,7 @@ class RowGather:
         tiled_copy = cute.make_tiled_copy_tv(atom, thr_layout, cute.make_layout((1, elems)))
         thr_copy = tiled_copy.get_slice(tidx)
         tXcX = thr_copy.partition_S(cute.make_identity_tensor((num_rows, head_dim)))
-        return RowGather(tiled_copy, thr_copy, tXcX, dtype, head_dim)
+        return RowGather(tiled_copy, thr_copy, tXcX, dtype, head_dim, rolled)
 
     @property
     def rows_per_thread(self) -> int:
@@ -60,19 +63,27 @@ class RowGather:
         """Copy each of this thread's tile rows r (the m-th) from the (D,) global tensor
         `gmem_row(m, r)` into sX[r, :]."""
         tXsX = self.thr_copy.partition_D(sX)
-        elem_bytes = self.dtype.width // 8
-        for m in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
-            # Rebuild the row pointer with the 16-byte alignment the API guarantees:
-            # the DSL cannot infer it through dynamic page and head strides.
-            base = gmem_row(m, self.row(m)).iterator.toint()
-            for k in cutlass.range_constexpr(cute.size(tXsX, mode=[2])):
-                col = self.tXcX[0, m, k][1]
-                src_ptr = cute.make_ptr(
-                    self.dtype,
-                    base + Int64(col * elem_bytes),
-                    cute.AddressSpace.gmem,
-                    assumed_align=16,
-                )
-                src = cute.make_tensor(src_ptr, tXsX[None, m, k].layout)
-                cute.copy(self.tiled_copy, src, tXsX[None, m, k])
+        if const_expr(self.rolled):
+            for m in cutlass.range(cute.size(tXsX, mode=[1]), unroll=1):
+                self._copy_row(tXsX, m, gmem_row)
+        else:
+            for m in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
+                self._copy_row(tXsX, m, gmem_row)
 
+    @cute.jit
+    def _copy_row(self, tXsX: cute.Tensor, m, gmem_row: Callable):
+        """The copies of this thread's m-th row."""
+        elem_bytes = self.dtype.width // 8
+        # Rebuild the row pointer with the 16-byte alignment the API guarantees:
+        # the DSL cannot infer it through dynamic page and head strides.
+        base = gmem_row(m, self.row(m)).iterator.toint()
+        for k in cutlass.range_constexpr(cute.size(tXsX, mode=[2])):
+            col = self.tXcX[0, m, k][1]
+            src_ptr = cute.make_ptr(
+                self.dtype,
+                base + Int64(col * elem_bytes),
+                cute.AddressSpace.gmem,
+                assumed_align=16,
+            )
+            src = cute.make_tensor(src_ptr, tXsX[None, m, k].layout)
+            cute.copy(self.tiled_copy, src, tXsX[None, m, k])

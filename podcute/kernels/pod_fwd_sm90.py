@@ -8,21 +8,25 @@ tensor-core-bound prefill tiles and HBM-bound decode splits run side by side on 
 
 CTA = 1 producer warpgroup + `num_mma_warpgroups` (2) MMA warpgroups, FA3's structure:
   * producer (warpgroup 0, few registers): gathers Q rows with cp.async and streams K/V
-    tiles into a multi-stage mbarrier pipeline: one TMA box per tile when a page holds
-    whole KV tiles, else a cp.async gather of page rows;
+    tiles into a multi-stage mbarrier pipeline: TMA boxes of whole tiles when a page
+    holds them, boxes of 16 page slots for pages of 16-64 tokens, else a cp.async gather
+    of page rows;
   * MMA warpgroups (the rest of the registers), each with its own 64 rows of Q:
     S = Q K^T (wgmma SS), mask only on tiles that need it, online softmax in registers,
     O += P V (wgmma RS).
       - prefill item (up to 128 rows): each warpgroup owns 64 rows; both read every
         K/V stage, so a K/V tile crosses L2 once per 128 rows; S of tile n overlaps P V
-        of tile n-1 (intra-warpgroup) and one warpgroup's softmax overlaps the other's
-        GEMMs (inter-warpgroup ping-pong on named barriers);
+        of tile n-1 (intra-warpgroup), O is rescaled while S runs, and one warpgroup's
+        softmax overlaps the other's GEMMs (inter-warpgroup ping-pong on named barriers);
       - decode item (up to 64 rows, the whole GQA group x q_len): both warpgroups hold
         the same rows and take alternate KV tiles (the owner of a tile releases its
         stage for both; no overlap within a tile, the work is memory-bound), then fold
         their softmax states together in shared memory, so both stream HBM.
-    Epilogue to `out`/`lse`, or for a split of a long KV range to fp32 partials; the CTA
-    that finishes a split group's last piece merges them (`split_merge`): one launch.
+    Each warpgroup releases Q after its last S GEMM, so the producer loads the next
+    item's Q and first K/V tiles while the item's last P V and epilogue run. Epilogue
+    (`epilogue`): O through a shared-memory staging tile to `out` in 16-byte pieces (and
+    `lse`), or for a split of a long KV range fp32 partials; the CTA that finishes a
+    split group's last piece merges them (`split_merge`): one launch.
 """
 
 from functools import partial
@@ -42,6 +46,7 @@ from cutlass.utils import LayoutEnum
 from podcute import layouts
 from podcute.kernels.barriers import NamedBarrier
 from podcute.kernels.config import WARPGROUP_THREADS, KernelConfig
+from podcute.kernels.epilogue import staging_tile, store_lse, store_partial, store_rows
 from podcute.kernels.gather import RowGather
 from podcute.kernels.mask import apply_mask
 from podcute.kernels.metadata import Param
@@ -64,11 +69,19 @@ def stage(count: Int32, stages: int, producer: bool = False) -> pipeline.Pipelin
     return pipeline.PipelineState(stages, count, count % stages, phase)
 
 
-def tile_smem_layout(dtype, rows: int, cols: int, stages: Optional[int] = None):
-    """Swizzled K-major smem layout of a (rows, cols) tile (+ stages), as wgmma reads it."""
-    atom = warpgroup.make_smem_layout_atom(
+def smem_atom(dtype, cols: int):
+    """The swizzle atom of a row-major (.., cols) tile: 8 rows x the widest swizzle that
+    divides a row (64 columns of 16-bit data at D 64 and 128)."""
+    return warpgroup.make_smem_layout_atom(
         sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype
     )
+
+
+def tile_smem_layout(dtype, rows: int, cols: int, stages: Optional[int] = None,
+                     atom_cols: Optional[int] = None):
+    """Swizzled K-major smem layout of a (rows, cols) tile (+ stages), as wgmma reads it:
+    column blocks of `atom_cols` (the swizzle width), each rows x atom_cols contiguous."""
+    atom = smem_atom(dtype, cols if atom_cols is None else atom_cols)
     if stages is None:
         return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
     return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
@@ -128,7 +141,7 @@ class PodAttentionSm90:
         mSlotMerge: cute.Tensor,  # [slots] int32: merge row of each split slot
         mMergeSem: cute.Tensor,  # [merges] int32 semaphores, zero between launches
         mParams: cute.Tensor,  # [NUM_PARAMS] fp32 (metadata.Param)
-        page_size: Int32,
+        page_shift: Int32,  # log2(page_size): page sizes are powers of two
         num_ctas: Int32,
         stream: cuda.CUstream,
     ):
@@ -144,6 +157,9 @@ class PodAttentionSm90:
         rows_per_thread = 2  # an m64 accumulator gives each thread 2 rows
         scratch_layout = cute.make_layout(
             (o_frag + 2 * rows_per_thread, WARPGROUP_THREADS), stride=(WARPGROUP_THREADS, 1))
+        # The scratch is also warpgroup 0's O staging tile; warpgroup 1 has its own.
+        scratch_words = max(self.cfg.combine_floats, self.cfg.staging_bytes() // 4)
+        staging_elems = WG_ROWS * self.cfg.staging_row
 
         @cute.struct
         class SharedStorage:
@@ -153,25 +169,28 @@ class PodAttentionSm90:
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
-            scratch: cute.struct.Align[
-                cute.struct.MemRange[Float32, cute.cosize(scratch_layout)], 128]
+            scratch: cute.struct.Align[cute.struct.MemRange[Float32, scratch_words], 128]
+            staging1: cute.struct.Align[cute.struct.MemRange[self.dtype, staging_elems], 128]
             pages: cute.struct.MemRange[Int32, 2 * self.tile_n]  # gather: page of each row
             merge_flag: cute.struct.MemRange[Int32, 1]
 
         self.shared_storage = SharedStorage
         tma_atom_k = tma_atom_v = None
         if const_expr(self.tma_kv):
-            # Boxes of (tile_n, D) over (slot, dim, kv_head, page): a tile is a piece of one
-            # page of one head, addressed by (tile within page, head, physical page).
-            box = (tile_n, d)
+            # Boxes of (kv_box slots, one swizzle-atom column block) over (slot, dim,
+            # kv_head, page): every box lies inside one page of one head and lands as a
+            # contiguous piece of a column block of the tile (docs/design.md).
+            atom_cols = cute.size(smem_atom(self.dtype, d).outer, mode=[1])
+            box = (self.cfg.kv_box, atom_cols)
+            box_layout = tile_smem_layout(self.dtype, self.cfg.kv_box, atom_cols)
             op = cpasync.CopyBulkTensorTileG2SOp()
             tma_atom_k, mK = cpasync.make_tiled_tma_atom(
-                op, layouts.kv_tma_view(mK), cute.select(sK_layout, mode=[0, 1]), box)
+                op, layouts.kv_tma_view(mK), box_layout, box)
             tma_atom_v, mV = cpasync.make_tiled_tma_atom(
-                op, layouts.kv_tma_view(mV), cute.select(sV_layout, mode=[0, 1]), box)
+                op, layouts.kv_tma_view(mV), box_layout, box)
         self.kernel(
             mQ, mK, mV, mO, mLSE, mWork, mCtaPtr, mQStart, mKvLen, mPageStart, mPageList,
-            mPartialO, mPartialLSE, mMerge, mSlotMerge, mMergeSem, mParams, page_size,
+            mPartialO, mPartialLSE, mMerge, mSlotMerge, mMergeSem, mParams, page_shift,
             tma_atom_k, tma_atom_v, tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sV_layout,
             scratch_layout,
         ).launch(
@@ -205,7 +224,7 @@ class PodAttentionSm90:
         mSlotMerge: cute.Tensor,
         mMergeSem: cute.Tensor,
         mParams: cute.Tensor,
-        page_size: Int32,
+        page_shift: Int32,
         tma_atom_k: Optional[cute.CopyAtom],
         tma_atom_v: Optional[cute.CopyAtom],
         tiled_mma_qk: cute.TiledMma,
@@ -244,20 +263,32 @@ class PodAttentionSm90:
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
             self.produce(
-                mQ, mK, mV, mWork, mQStart, mKvLen, mPageStart, mPageList, page_size,
+                mQ, mK, mV, mWork, mQStart, mKvLen, mPageStart, mPageList, page_shift,
                 tma_atom_k, tma_atom_v, sQ, sK, sV,
                 storage.pages.get_tensor(cute.make_layout((self.tile_n, 2))),
                 pipeline_q, pipeline_k, pipeline_v, mCtaPtr[cta], mCtaPtr[cta + 1],
             )
+            # Stay until the MMA warpgroups are done: no warp of the CTA exits early
+            # (compute-sanitizer's racecheck mis-orders named barriers across exited
+            # warps; the idle warps cost nothing).
+            cute.arch.barrier(barrier_id=NamedBarrier.CTA_END,
+                              number_of_threads=self.cfg.num_threads)
         else:
             cute.arch.setmaxregister_increase(self.cfg.mma_regs)
+            staging_row = self.cfg.staging_row
             self.consume(
                 mO, mLSE, mWork, mQStart, mKvLen, mPageStart, mPartialO, mPartialLSE,
                 mMerge, mSlotMerge, mMergeSem, storage.merge_flag.get_tensor(cute.make_layout(1)),
-                storage.scratch.get_tensor(scratch_layout), mParams[Param.SM_SCALE],
-                tiled_mma_qk, tiled_mma_pv, sQ, sK, sV,
+                storage.scratch.get_tensor(scratch_layout),
+                staging_tile(storage.scratch.data_ptr(), self.dtype, WG_ROWS, self.head_dim,
+                             staging_row),
+                staging_tile(storage.staging1.data_ptr(), self.dtype, WG_ROWS, self.head_dim,
+                             staging_row),
+                mParams, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV,
                 pipeline_q, pipeline_k, pipeline_v, mCtaPtr,
             )
+            cute.arch.barrier_arrive(barrier_id=NamedBarrier.CTA_END,
+                                     number_of_threads=self.cfg.num_threads)
 
     def _make_kv_pipeline(self, barriers, producers, consumers):
         if const_expr(self.tma_kv):
@@ -289,7 +320,7 @@ class PodAttentionSm90:
         mKvLen: cute.Tensor,
         mPageStart: cute.Tensor,
         mPageList: cute.Tensor,
-        page_size: Int32,
+        page_shift: Int32,
         tma_atom_k: Optional[cute.CopyAtom],
         tma_atom_v: Optional[cute.CopyAtom],
         sQ: cute.Tensor,
@@ -304,32 +335,16 @@ class PodAttentionSm90:
     ):
         tile_n, d = self.tile_n, self.head_dim
         tidx = cute.arch.thread_idx()[0]
+        page_divisor = layouts.PageShift(page_shift)
         # Q rows resolve their own addresses (4 threads a row: few rows per thread); K/V
         # rows read their pages from shared memory (8 threads a row: whole 128 B lines).
         q_gather = RowGather.create(self.dtype, self.tile_m, d, WARPGROUP_THREADS, tidx,
                                     threads_per_row=4)
         kv_gather = RowGather.create(self.dtype, tile_n, d, WARPGROUP_THREADS, tidx)
-        page_divisor = cute.FastDivmodDivisor(page_size)
         kv_count = Int32(0)  # K/V tiles produced so far
         for i in cutlass.range(item_begin, item_end, unroll=1):
             item = WorkItem.load(mWork, mQStart, mKvLen, mPageStart, i)
-            # Q: a prefill item's rows fill the tile (each MMA warpgroup reads its 64); a
-            # decode item's rows go to both halves (both warpgroups hold all of them).
-            # Rows past the item's end repeat its last row (valid memory, never stored).
-            mQ_rows = layouts.packed_rows(mQ, item.q_start, item.q_len, item.kv_head, self.group)
-            last_row = item.row_end - 1
-            row_mask = Int32(self.tile_m - 1)
-            if item.is_decode:
-                row_mask = Int32(WG_ROWS - 1)
-            q_state = stage(i - item_begin, 1, producer=True)
-            pipeline_q.producer_acquire(q_state)
-            q_gather.copy_rows(
-                sQ,
-                lambda m, r: mQ_rows[cutlass.min(item.row_start + (r & row_mask), last_row), None],
-            )
-            cute.arch.cp_async_commit_group()
-            pipeline_q.producer_commit(q_state)
-
+            self.produce_q(mQ, sQ, q_gather, pipeline_q, item, i - item_begin)
             n_min, n_max, _ = item.tile_bounds(item.row_start, self.group, self.causal, tile_n)
             if const_expr(self.tma_kv):
                 if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0:
@@ -345,35 +360,85 @@ class PodAttentionSm90:
             kv_count += n_max - n_min
 
     @cute.jit
+    def produce_q(self, mQ, sQ, q_gather, pipeline_q, item: WorkItem, q_count: Int32):
+        """cp.async gather of an item's packed Q rows into sQ (its `q_count`-th Q stage use).
+        A prefill item's rows fill the tile (each MMA warpgroup reads its 64); a decode
+        item's rows go to both halves (both warpgroups hold all of them). Rows past the
+        item's end repeat its last row (valid memory, never stored)."""
+        mQ_rows = layouts.packed_rows(mQ, item.q_start, item.q_len, item.kv_head, self.group)
+        last_row = item.row_end - 1
+        row_mask = Int32(self.tile_m - 1)
+        if item.is_decode:
+            row_mask = Int32(WG_ROWS - 1)
+        q_state = stage(q_count, 1, producer=True)
+        pipeline_q.producer_acquire(q_state)
+        q_gather.copy_rows(
+            sQ,
+            lambda m, r: mQ_rows[cutlass.min(item.row_start + (r & row_mask), last_row), None],
+        )
+        cute.arch.cp_async_commit_group()
+        pipeline_q.producer_commit(q_state)
+
+    @cute.jit
     def produce_kv_tma(self, mK, mV, mPageList, page_divisor, tma_atom_k, tma_atom_v,
                        sK, sV, pipeline_k, pipeline_v, kv_count: Int32, item: WorkItem,
                        n_min: Int32, n_max: Int32):
-        """One TMA box per K and V tile, issued by one warp (page_size % tile_n == 0);
-        tile n_min is the pipeline's kv_count-th."""
-        tile_n = self.tile_n
+        """TMA boxes of `kv_box` page slots x one swizzle column block for every K and V
+        tile, issued by one warp (tile n_min is the pipeline's kv_count-th).
+
+        Lane j resolves box j of a tile (its page and its box within the page); the
+        warp loops over the boxes, and each copy is issued by one elected lane (a TMA
+        copy elects its issuing thread, so per-lane coordinates must be broadcast).
+        Every tile is armed with its full size: boxes past kv_end re-read the box of
+        the item's last token (its own page), whose K scores the consumer masks and
+        whose V rows it zeroes. No page-table entry past the request's pages is read.
+        """
+        tile_n, kv_box = self.tile_n, self.cfg.kv_box
+        boxes = tile_n // kv_box
         tKsK, tKgK = self._tma_tiles(tma_atom_k, mK, sK, item.kv_head)
         tVsV, tVgV = self._tma_tiles(tma_atom_v, mV, sV, item.kv_head)
+        pieces = cute.size(tKsK, mode=[2])  # column blocks of a box row
+        lane_box = cute.arch.lane_idx() % boxes
         for n_block in cutlass.range(n_min, n_max, unroll=1):
-            # A tile lies inside one page that the request owns: its first token is
-            # < kv_end, so no page-table entry past the request's pages is read.
-            page_idx, slot = divmod(n_block * tile_n, page_divisor)
-            page = mPageList[item.page_start + page_idx]
-            tile_in_page = slot // tile_n
+            token = layouts.clamp_token(n_block * tile_n, lane_box * kv_box, item.kv_end)
+            page, slot = layouts.kv_locate(mPageList, item.page_start, token, page_divisor)
+            box_in_page = slot // kv_box
             kv_state = stage(kv_count + n_block - n_min, self.num_stages, producer=True)
             pipeline_k.producer_acquire(kv_state)
-            cute.copy(tma_atom_k, tKgK[None, tile_in_page, page], tKsK[None, kv_state.index],
-                      tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
+            self._copy_boxes(tma_atom_k, tKgK, tKsK, page, box_in_page, kv_state,
+                             pipeline_k.producer_get_barrier(kv_state), boxes, pieces)
             pipeline_v.producer_acquire(kv_state)
-            cute.copy(tma_atom_v, tVgV[None, tile_in_page, page], tVsV[None, kv_state.index],
-                      tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
+            self._copy_boxes(tma_atom_v, tVgV, tVsV, page, box_in_page, kv_state,
+                             pipeline_v.producer_get_barrier(kv_state), boxes, pieces)
+
+    @cute.jit
+    def _copy_boxes(self, tma_atom, tXgX, tXsX, page: Int32, box_in_page: Int32, kv_state,
+                    barrier, boxes: cutlass.Constexpr[int], pieces: cutlass.Constexpr[int]):
+        """The boxes of one K or V tile: box j from lane j's (page, box within page). A
+        rolled loop: unrolled, the compiler hoists every broadcast ahead of the copies and
+        the producer's 24 registers spill."""
+        if const_expr(boxes == 1):
+            for h in cutlass.range_constexpr(pieces):
+                cute.copy(tma_atom, tXgX[None, box_in_page, h, page],
+                          tXsX[None, 0, h, kv_state.index], tma_bar_ptr=barrier)
+        else:
+            for j in cutlass.range(boxes, unroll=1):
+                page_j = cute.arch.shuffle_sync(page, j)
+                box_j = cute.arch.shuffle_sync(box_in_page, j)
+                for h in cutlass.range_constexpr(pieces):
+                    cute.copy(tma_atom, tXgX[None, box_j, h, page_j],
+                              tXsX[None, j, h, kv_state.index], tma_bar_ptr=barrier)
 
     def _tma_tiles(self, tma_atom, mX_tma, sX, kv_head):
-        """(smem stages, gmem tiles indexed by (tile within page, page)) for one KV head."""
-        gX = cute.local_tile(mX_tma[None, None, kv_head, None],
-                             (self.tile_n, self.head_dim), (None, 0, None))
+        """(smem boxes (TMA, box, column block, stage), gmem boxes (TMA, box within page,
+        column block, page)) for one KV head."""
+        atom_cols = cute.size(smem_atom(self.dtype, self.head_dim).outer, mode=[1])
+        tiler = (self.cfg.kv_box, atom_cols)
+        gX = cute.flat_divide(mX_tma[None, None, kv_head, None], tiler)
+        sXd = cute.flat_divide(sX, tiler)
         return cpasync.tma_partition(
             tma_atom, 0, cute.make_layout(1),
-            cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2),
+            cute.group_modes(sXd, 0, 2), cute.group_modes(gX, 0, 2),
         )
 
     @cute.jit
@@ -451,7 +516,9 @@ class PodAttentionSm90:
         mMergeSem: cute.Tensor,
         sFlag: cute.Tensor,
         sScratch: cute.Tensor,
-        sm_scale: Float32,
+        sStage0: cute.Tensor,
+        sStage1: cute.Tensor,
+        mParams: cute.Tensor,
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
         sQ: cute.Tensor,
@@ -482,22 +549,29 @@ class PodAttentionSm90:
         tScS = thr_mma_qk.partition_C(cute.make_identity_tensor((WG_ROWS, tile_n)))
         tOcO = thr_mma_pv.partition_C(cute.make_identity_tensor((WG_ROWS, d)))
         softmax = OnlineSoftmax.create(
-            cute.size(rows_cols_view(acc_O), mode=[0]), sm_scale * LOG2_E
+            cute.size(rows_cols_view(acc_O), mode=[0]), mParams[Param.SM_SCALE] * LOG2_E
         )
+        # O's rescale factor of the latest tile, applied while the next S GEMM runs.
+        row_scale = cute.make_rmem_tensor_like(softmax.row_max, Float32)
         # P of the previous own KV tile, as the register A operand of the P V wgmma.
         rP = cute.make_rmem_tensor(acc_shape_S, self.dtype)
         tOrP = cute.make_tensor(rP.iterator, acc_as_operand_a_layout(rP.layout))
+        # This warpgroup's O staging tile for the epilogue.
+        sStage = sStage0
+        if wg == 1:
+            sStage = sStage1
         # K and V stages are filled in step: tile n_min of an item is the kv_count-th use
         # of both pipelines (every MMA warpgroup counts every tile, own or not).
         kv_count = Int32(0)
-        # Ping-pong: warpgroup 0 takes the first turn (pre-paid arrival on its barrier).
-        if wg == 0:
+        # Ping-pong: warpgroup 0 takes the first turn (warpgroup 1 pre-pays the arrival
+        # it would otherwise make after issuing its GEMMs).
+        if wg == 1:
             cute.arch.barrier_arrive(barrier_id=NamedBarrier.SCHEDULE,
                                      number_of_threads=self.num_mma_threads)
 
         # This CTA's items [mCtaPtr[cta], mCtaPtr[cta + 1]); the end is re-read (an L1 hit)
         # rather than held: the MMA warpgroups have no register to spare for it.
-        i = mCtaPtr[cute.arch.block_idx()[0]]
+        i = cute.arch.make_warp_uniform(mCtaPtr[cute.arch.block_idx()[0]])
         while i < mCtaPtr[cute.arch.block_idx()[0] + 1]:
             item = WorkItem.load(mWork, mQStart, mKvLen, mPageStart, i)
             decode = Int32(item.is_decode)
@@ -509,40 +583,37 @@ class PodAttentionSm90:
             acc_O.fill(0.0)
             q_state = stage(i - mCtaPtr[cute.arch.block_idx()[0]], 1)  # the item's Q use
             pipeline_q.consumer_wait(q_state)
-            mask_tile = partial(
-                apply_mask, tScS=tScS, row_start=item.row_start + row_offset,
-                kv_end=item.kv_end, causal_offset=item.kv_len - item.q_len, group=self.group,
-                causal=self.causal,
-            )
+            # cp.async wrote sQ through the generic proxy; wgmma reads via the async one.
+            cute.arch.fence_view_async_shared()
+            # The mask re-reads the item (L1 hits) on the few tiles it touches rather than
+            # hold its bounds in registers through the mainloop.
+            mask_tile = partial(self.mask_tile, tScS=tScS, mWork=mWork, mQStart=mQStart,
+                                mKvLen=mKvLen, mPageStart=mPageStart, i=i, wg=wg)
             if decode != 0:
                 self.mainloop_decode(
                     tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_shape_S, acc_O, rP, tOrP,
-                    softmax, mask_tile, sV, pipeline_k, pipeline_v, kv_count,
-                    n_min, n_max, mask_from, item.kv_end, mma_tidx, wg)
+                    softmax, row_scale, mask_tile, sV, pipeline_q, q_state, pipeline_k,
+                    pipeline_v, kv_count, n_min, n_max, mask_from, item.kv_end, mma_tidx, wg)
             else:
                 self.mainloop_prefill(
                     tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_shape_S, acc_O, rP, tOrP,
-                    softmax, mask_tile, sV, pipeline_k, pipeline_v, kv_count,
-                    n_min, n_max, mask_from, item.kv_end, mma_tidx, wg)
+                    softmax, row_scale, mask_tile, sV, pipeline_q, q_state, pipeline_k,
+                    pipeline_v, kv_count, n_min, n_max, mask_from, item.kv_end, mma_tidx, wg)
             kv_count += n_max - n_min
-            pipeline_q.consumer_release(q_state)
             # Reload the item for the epilogue (an L1 hit) rather than keep every field
             # live through the mainloop: registers are what the MMA warpgroups lack.
             item = WorkItem.load(mWork, mQStart, mKvLen, mPageStart, i)
-            if const_expr(self.tma_kv):
-                # With TMA pages, re-deriving the kind and rows too keeps fp16 causal
-                # variants from spilling; with gathered pages it makes them spill
-                # (ptxas at the 240 / 232 register edge, measured per variant).
-                decode = Int32(item.is_decode)
-                row_offset = wg * WG_ROWS * (1 - decode)
+            decode = Int32(item.is_decode)
+            row_offset = wg * WG_ROWS * (1 - decode)
             if decode != 0:
                 # Fold warpgroup 1's softmax state and O into warpgroup 0's.
                 self.combine_decode(softmax, acc_O, sScratch, tidx, wg)
-            inv_sum, lse = softmax.finalize(sm_scale)
+            # sm_scale is re-read (an L1 hit) rather than held through the mainloop.
+            inv_sum, lse = softmax.finalize(mParams[Param.SM_SCALE])
             rescale_rows(acc_O, inv_sum)
             if decode * wg == 0:  # prefill: each warpgroup its rows; decode: warpgroup 0
-                self.epilogue(acc_O, lse, tOcO, item, row_offset, mO, mLSE, mPartialO,
-                              mPartialLSE, tidx)
+                self.epilogue(acc_O, lse, thr_mma_pv, tOcO, sStage, item, row_offset, mO,
+                              mLSE, mPartialO, mPartialLSE, tidx, wg)
             if item.split_slot >= 0:
                 finish_split(
                     mO, mLSE, mPartialO, mPartialLSE, mMerge, mSlotMerge, mMergeSem, mQStart,
@@ -553,13 +624,15 @@ class PodAttentionSm90:
 
     @cute.jit
     def mainloop_prefill(self, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_shape_S,
-                         acc_O, rP, tOrP, softmax: OnlineSoftmax, mask_tile, sV,
-                         pipeline_k, pipeline_v, kv_count: Int32, n_min: Int32, n_max: Int32,
-                         mask_from: Int32, kv_end: Int32, mma_tidx: Int32, wg: Int32):
+                         acc_O, rP, tOrP, softmax: OnlineSoftmax, row_scale: cute.Tensor,
+                         mask_tile, sV, pipeline_q, q_state, pipeline_k, pipeline_v,
+                         kv_count: Int32, n_min: Int32, n_max: Int32, mask_from: Int32,
+                         kv_end: Int32, mma_tidx: Int32, wg: Int32):
         """Every KV tile for this warpgroup's 64 rows (both MMA warpgroups read every
-        stage). S of tile n overlaps P V of tile n-1 (intra-warpgroup), and the GEMMs of
-        one warpgroup overlap the other's softmax (ping-pong: a warpgroup issues its GEMMs
-        on its turn, then hands the turn over)."""
+        stage), FlashAttention-3's order: on its turn a warpgroup issues S = Q K^T of tile
+        n, rescales O while it runs, issues O += P V of tile n-1 and hands the turn over
+        (ping-pong: its softmax then overlaps the other's GEMMs); S done -> softmax of
+        tile n; P V done -> P of tile n. Q is released after the last S GEMM."""
         tile_n, stages = self.tile_n, self.num_stages
         schedule_barrier = Int32(NamedBarrier.SCHEDULE) + wg
         other_barrier = Int32(NamedBarrier.SCHEDULE) + 1 - wg
@@ -567,23 +640,23 @@ class PodAttentionSm90:
             # First tile: S only (O is still zero).
             k_state = stage(kv_count, stages)
             pipeline_k.consumer_wait(k_state)
-            # cp.async wrote sQ/sK through the generic proxy; wgmma reads via the async one.
-            cute.arch.fence_view_async_shared()
+            self.fence_gathered_kv()
             acc_S = self.qk_gemm(tiled_mma_qk, tSrQ, tSrK, acc_shape_S, k_state)
             warpgroup.wait_group(0)
             pipeline_k.consumer_release(k_state)
             if n_min >= mask_from:
                 mask_tile(acc_S, col_start=n_min * tile_n)
-            softmax.update(acc_S)
+            softmax.update(acc_S, row_scale)
             rP.store(acc_S.load().to(self.dtype))
             for n_block in cutlass.range(n_min + 1, n_max, unroll=1):
                 k_state = stage(kv_count + n_block - n_min, stages)
                 v_state = stage(kv_count + n_block - n_min - 1, stages)
                 pipeline_k.consumer_wait(k_state)
-                cute.arch.fence_view_async_shared()
+                self.fence_gathered_kv()
                 cute.arch.barrier(barrier_id=schedule_barrier,
                                   number_of_threads=self.num_mma_threads)
                 acc_S = self.qk_gemm(tiled_mma_qk, tSrQ, tSrK, acc_shape_S, k_state)
+                rescale_rows(acc_O, row_scale)  # no wgmma holds O now
                 pipeline_v.consumer_wait(v_state)
                 warpgroup_gemm(tiled_mma_pv, acc_O, tOrP,
                                tOrVt[None, None, None, v_state.index], False)
@@ -593,21 +666,24 @@ class PodAttentionSm90:
                 pipeline_k.consumer_release(k_state)
                 if n_block >= mask_from:
                     mask_tile(acc_S, col_start=n_block * tile_n)
-                row_scale = softmax.update(acc_S)
-                warpgroup.wait_group(0)  # P V done: O and rP are free
+                softmax.update(acc_S, row_scale)
+                warpgroup.wait_group(0)  # P V done: rP is free
                 pipeline_v.consumer_release(v_state)
-                rescale_rows(acc_O, row_scale)
                 rP.store(acc_S.load().to(self.dtype))
+        # Every S GEMM of this warpgroup has completed: the producer may refill sQ.
+        pipeline_q.consumer_release(q_state)
+        if n_min < n_max:
             # Last tile's P V.
+            rescale_rows(acc_O, row_scale)
             v_state = stage(kv_count + n_max - 1 - n_min, stages)
             pipeline_v.consumer_wait(v_state)
             if const_expr(self.tma_kv):
-                # A TMA box brings the whole page tail: slots past kv_len may hold
-                # garbage (NaN), and P = 0 times NaN is NaN, so zero those V rows.
+                # TMA boxes bring whole page pieces: slots past kv_len may hold garbage
+                # (NaN), and P = 0 times NaN is NaN, so zero those V rows.
                 if n_max * tile_n > kv_end:
                     self.zero_v_tail(sV[None, None, v_state.index],
                                      kv_end - (n_max - 1) * tile_n, mma_tidx, wg, Int32(0))
-            cute.arch.fence_view_async_shared()
+            self.fence_gathered_kv()
             warpgroup_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index],
                            False)
             warpgroup.wait_group(0)
@@ -615,9 +691,10 @@ class PodAttentionSm90:
 
     @cute.jit
     def mainloop_decode(self, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_shape_S,
-                        acc_O, rP, tOrP, softmax: OnlineSoftmax, mask_tile, sV,
-                        pipeline_k, pipeline_v, kv_count: Int32, n_min: Int32, n_max: Int32,
-                        mask_from: Int32, kv_end: Int32, mma_tidx: Int32, wg: Int32):
+                        acc_O, rP, tOrP, softmax: OnlineSoftmax, row_scale: cute.Tensor,
+                        mask_tile, sV, pipeline_q, q_state, pipeline_k, pipeline_v,
+                        kv_count: Int32, n_min: Int32, n_max: Int32, mask_from: Int32,
+                        kv_end: Int32, mma_tidx: Int32, wg: Int32):
         """Every other KV tile (from n_min + wg) for all the item's rows; the other MMA
         warpgroup takes the rest, and the owner releases a stage for both. No overlap
         within a tile: memory-bound work gains nothing from it, and releasing V right
@@ -626,13 +703,13 @@ class PodAttentionSm90:
         for n_block in cutlass.range(n_min + wg, n_max, 2, unroll=1):
             kv_state = stage(kv_count + n_block - n_min, self.num_stages)
             pipeline_k.consumer_wait(kv_state)
-            cute.arch.fence_view_async_shared()
+            self.fence_gathered_kv()
             acc_S = self.qk_gemm(tiled_mma_qk, tSrQ, tSrK, acc_shape_S, kv_state)
             warpgroup.wait_group(0)
             self.release(pipeline_k, kv_state, 2)
             if n_block >= mask_from:
                 mask_tile(acc_S, col_start=n_block * tile_n)
-            row_scale = softmax.update(acc_S)
+            softmax.update(acc_S, row_scale)
             rP.store(acc_S.load().to(self.dtype))  # S dies here, before O is rescaled
             rescale_rows(acc_O, row_scale)
             pipeline_v.consumer_wait(kv_state)
@@ -640,11 +717,29 @@ class PodAttentionSm90:
                 if (n_block + 1) * tile_n > kv_end:  # the page tail: see mainloop_prefill
                     self.zero_v_tail(sV[None, None, kv_state.index], kv_end - n_block * tile_n,
                                      mma_tidx, wg, Int32(1))
-            cute.arch.fence_view_async_shared()
+            self.fence_gathered_kv()
             warpgroup_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index],
                            False)
             warpgroup.wait_group(0)
             self.release(pipeline_v, kv_state, 2)
+        pipeline_q.consumer_release(q_state)
+
+    @cute.jit
+    def mask_tile(self, acc_S: cute.Tensor, tScS: cute.Tensor, mWork: cute.Tensor,
+                  mQStart: cute.Tensor, mKvLen: cute.Tensor, mPageStart: cute.Tensor, i: Int32,
+                  wg: Int32, col_start: Int32):
+        """Mask S of the KV tile at `col_start` for this warpgroup's rows of item `i`."""
+        item = WorkItem.load(mWork, mQStart, mKvLen, mPageStart, i)
+        row_offset = wg * WG_ROWS * (1 - Int32(item.is_decode))
+        apply_mask(acc_S, tScS, item.row_start + row_offset, col_start, item.kv_end,
+                   item.kv_len - item.q_len, self.group, self.causal)
+
+    @cute.jit
+    def fence_gathered_kv(self):
+        """cp.async wrote the K/V stage through the generic proxy; wgmma reads it via the
+        async one. TMA writes through the async proxy: nothing to order."""
+        if const_expr(not self.tma_kv):
+            cute.arch.fence_view_async_shared()
 
     @cute.jit
     def release(self, pipe, state, count: Int32):
@@ -687,18 +782,32 @@ class PodAttentionSm90:
                        tidx: Int32, wg: Int32):
         """Warpgroup 1 hands its (row max, partial row sums, O) to warpgroup 0 through
         shared memory, thread t to thread t (same fragment positions); warpgroup 0 folds
-        them into its own. Two barriers of their own: hand-over, and scratch free again."""
+        them into its own. Both warpgroups sync on COMBINE_EMPTY first (warpgroup 0 is
+        done with the scratch, its earlier O staging included) and on COMBINE_FULL after
+        the hand-over: two full barriers, one instruction for both warpgroups, so
+        compute-sanitizer's racecheck sees the ordering (it does not credit a
+        bar.arrive / bar.sync pair, and waiting here costs nothing: warpgroup 0 needs
+        warpgroup 1's state anyway)."""
         n_o = cute.size(acc_O)
         n_r = cute.size(softmax.row_max)
+        # The barriers alone order the scratch accesses for the hardware; racecheck also
+        # wants them fenced (release before, acquire after each hand-over: it flags
+        # accesses next to a bare barrier). A few fences per decode item cost nothing.
+        cute.arch.fence_acq_rel_cta()
+        cute.arch.barrier(barrier_id=NamedBarrier.COMBINE_EMPTY,
+                          number_of_threads=self.num_mma_threads)
         if wg == 1:
+            cute.arch.fence_acq_rel_cta()
             for j in cutlass.range_constexpr(n_o):
                 sScratch[j, tidx] = acc_O[j]
             for r in cutlass.range_constexpr(n_r):
                 sScratch[n_o + r, tidx] = softmax.row_max[r]
                 sScratch[n_o + n_r + r, tidx] = softmax.row_sum[r]
+            cute.arch.fence_acq_rel_cta()
         cute.arch.barrier(barrier_id=NamedBarrier.COMBINE_FULL,
                           number_of_threads=self.num_mma_threads)
         if wg == 0:
+            cute.arch.fence_acq_rel_cta()
             other_O = cute.make_rmem_tensor_like(acc_O, Float32)
             other_max = cute.make_rmem_tensor_like(softmax.row_max, Float32)
             other_sum = cute.make_rmem_tensor_like(softmax.row_sum, Float32)
@@ -709,15 +818,15 @@ class PodAttentionSm90:
                 other_sum[r] = sScratch[n_o + n_r + r, tidx]
             scale_self, scale_other = softmax.merge(other_max, other_sum)
             combine_rows(acc_O, scale_self, other_O, scale_other)
-        cute.arch.barrier(barrier_id=NamedBarrier.COMBINE_EMPTY,
-                          number_of_threads=self.num_mma_threads)
 
     @cute.jit
     def epilogue(
         self,
         acc_O: cute.Tensor,
         lse: cute.Tensor,
+        thr_mma_pv: cute.ThrMma,
         tOcO: cute.Tensor,
+        sStage: cute.Tensor,
         item: WorkItem,
         row_offset: Int32,
         mO: cute.Tensor,
@@ -725,37 +834,24 @@ class PodAttentionSm90:
         mPartialO: cute.Tensor,
         mPartialLSE: cute.Tensor,
         tidx: Int32,
+        wg: Int32,
     ):
-        """Write this thread's rows of O (and LSE, from one thread of each row's quad);
-        tile row `row_offset + r` is packed row `row_start + row_offset + r` of the item."""
-        tOcO_mn = rows_cols_view(tOcO)
+        """Write this warpgroup's rows of O and LSE: tile row `r` is packed row
+        `row_start + row_offset + r` of the item (`epilogue.py`)."""
         n_rows = item.row_end - item.row_start
-        quad_leader = tidx % 4 == 0
         if item.split_slot >= 0:
-            acc_O_mn = rows_cols_view(acc_O)
-            gO = layouts.partial_rows(mPartialO, item.split_slot)
-            gLSE = layouts.partial_lse(mPartialLSE, item.split_slot)
-            for r in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[0])):
-                row = row_offset + tOcO_mn[r, 0][0]
-                if row < n_rows:
-                    for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
-                        gO[row, tOcO_mn[0, c][1]] = acc_O_mn[r, c]
-                    if quad_leader:
-                        gLSE[row] = lse[r]
+            store_partial(acc_O, lse, tOcO, mPartialO, mPartialLSE, item.split_slot,
+                          row_offset, n_rows, tidx)
         else:
-            rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
-            rO.store(acc_O.load().to(self.dtype))
-            rO_mn = rows_cols_view(rO)
+            row_base = item.row_start + row_offset
+            n_valid = n_rows - row_offset
+            if const_expr(mLSE is not None):
+                gLSE = layouts.packed_lse(mLSE, item.q_start, item.q_len, item.kv_head,
+                                          self.group)
+                store_lse(lse, tOcO, gLSE, row_base, n_valid, tidx)
             gO = layouts.packed_rows(mO, item.q_start, item.q_len, item.kv_head, self.group)
-            for r in cutlass.range_constexpr(cute.size(rO_mn, mode=[0])):
-                row = row_offset + tOcO_mn[r, 0][0]
-                if row < n_rows:
-                    packed_row = item.row_start + row
-                    for c in cutlass.range_constexpr(cute.size(rO_mn, mode=[1])):
-                        gO[packed_row, tOcO_mn[0, c][1]] = rO_mn[r, c]
-                    if const_expr(mLSE is not None):
-                        if quad_leader:
-                            gLSE = layouts.packed_lse(
-                                mLSE, item.q_start, item.q_len, item.kv_head, self.group
-                            )
-                            gLSE[packed_row] = lse[r]
+            # (the warpgroup index again from the warp: a register held since the kernel's
+            # start would be spilled)
+            wg_u = cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4 - 1
+            store_rows(acc_O, thr_mma_pv, sStage, gO, row_base, n_valid,
+                       Int32(NamedBarrier.WARPGROUP) + wg_u)

@@ -35,10 +35,11 @@ class OnlineSoftmax:
         self.row_sum.fill(0.0)
 
     @cute.jit
-    def update(self, acc_S: cute.Tensor) -> cute.Tensor:
-        """Turn scores into unnormalised probabilities in place; return O's rescale factors."""
+    def update(self, acc_S: cute.Tensor, row_scale: cute.Tensor) -> None:
+        """Turn scores into unnormalised probabilities in place; write O's rescale factors
+        (for the rows' previous maxima) into `row_scale`. The caller owns `row_scale`, so
+        it can carry the factors into the next tile's GEMM shadow."""
         acc_S_mn = rows_cols_view(acc_S)
-        row_scale = cute.make_rmem_tensor_like(self.row_max, Float32)
         for r in cutlass.range_constexpr(cute.size(self.row_max)):
             scores = acc_S_mn[r, None].load()
             prev_max = self.row_max[r]
@@ -58,7 +59,6 @@ class OnlineSoftmax:
                 cute.ReductionOp.ADD, Float32(0.0), 0
             )
             acc_S_mn[r, None].store(probs)
-        return row_scale
 
     @cute.jit
     def merge(self, other_max: cute.Tensor, other_sum: cute.Tensor) -> tuple:
