@@ -42,14 +42,15 @@ Costs are float64 microseconds, so no batch the capacities allow can overflow th
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from functools import cached_property
 
 import numpy as np
 import torch
 
 from podcute.kernels.config import SUPPORTED_PAGE_SIZES, KernelConfig
-from podcute.kernels.metadata import (MERGE_COLS, NUM_PARAMS, WORK_COLS, Kind, MergeCol, Param,
-                                      WorkCol)
+from podcute.kernels.metadata import (KIND_BITS, MERGE_COLS, NUM_PARAMS, WORK_COLS, Kind,
+                                      MergeCol, Param, WorkCol)
 from podcute.kernels.visibility import visible_end_host
 
 _ALIGN = 16  # int32 elements: metadata segments start on 64-byte boundaries
@@ -75,6 +76,17 @@ def _align(n: int) -> int:
 def _rows(a: np.ndarray) -> np.ndarray:
     """1-D view of an [n, WORK_COLS] int32 array with one element per row."""
     return a.view(_ROW).reshape(-1)
+
+
+def _once(fn):
+    """A function returning fn()'s value, computed on its first call."""
+    memo = []
+
+    def get():
+        if not memo:
+            memo.append(fn())
+        return memo[0]
+    return get
 
 
 def _ragged_arange(counts: np.ndarray, total: int) -> np.ndarray:
@@ -140,7 +152,11 @@ DEFAULT_COST_MODEL = CostModel()
 
 @dataclass(frozen=True)
 class PlanSummary:
-    """What the planner decided for one batch (host numbers only)."""
+    """What the planner decided for one batch (host numbers only).
+
+    plan() returns a lazy one (:meth:`_lazy`): its fields are computed on first access, so
+    a serving loop that never reads the summary does not pay for it (until then it holds
+    its plan's per-row costs: about 9 bytes a work row)."""
 
     num_requests: int
     num_prefill_requests: int
@@ -154,6 +170,27 @@ class PlanSummary:
     predicted_us: float  # max over SMs, and at least the batch's HBM time: see CostModel
     balance: float  # max / mean predicted time per CTA (1.0 = perfect)
     grid: int = 0
+
+    @classmethod
+    def _lazy(cls, compute) -> "PlanSummary":
+        """A summary whose fields compute() returns (a dict) when one is first read. It is
+        a PlanSummary like any other (str, repr, ==, dataclasses.asdict, replace)."""
+        s = object.__new__(cls)
+        s.__dict__["_compute"] = compute
+        return s
+
+    def __getattr__(self, name):
+        # Reached only for an attribute not in __dict__: a lazy summary's fields before
+        # their first read. Computing twice (two threads) is harmless: same values.
+        compute = self.__dict__.get("_compute")
+        if compute is None or name.startswith("__"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        self.__dict__.update(compute())
+        self.__dict__.pop("_compute", None)
+        return getattr(self, name)
+
+    def __reduce__(self):  # pickle / copy the values, not the closure
+        return type(self), tuple(getattr(self, f.name) for f in fields(self))
 
     def __str__(self) -> str:
         return (
@@ -182,22 +219,12 @@ class PlanConfig:
 class Plan:
     """Metadata of one batch. The device tensors are views of the planner's buffers:
     valid until the planner's next plan(), which rewrites them in place (stream-ordered).
-    The kernel never reads these views: it gets the whole buffers (`kernel_args`)."""
+    The kernel never reads these views: it gets the whole buffers (`kernel_args`), so
+    they are made on first access (slicing tensors costs microseconds each)."""
 
     config: PlanConfig
     causal: bool
     sm_scale: float
-    # --- device views of this plan's metadata (docs/design.md) ---
-    work: torch.Tensor  # [num_items, WORK_COLS], rows grouped by CTA
-    cta_ptr: torch.Tensor  # [grid + 1]: CTA c runs work[cta_ptr[c]:cta_ptr[c+1]]
-    merge: torch.Tensor  # [num_merge, MERGE_COLS]
-    slot_merge: torch.Tensor  # [num_slots]: merge row of each split slot
-    merge_sem: torch.Tensor  # [cap_merges] zeros; the kernel's merging CTA resets its entry
-    q_start: torch.Tensor  # [B + 1] (cu_seqlens_q)
-    kv_len: torch.Tensor  # [B]
-    page_start: torch.Tensor  # [B]: offset of request b's first page in page_list
-    page_list: torch.Tensor  # [num_page_entries]: the plan-owned copy of the pages
-    params: torch.Tensor  # float32 [NUM_PARAMS] (metadata.Param): sm_scale, ...
     # --- host facts ---
     total_q: int
     batch_size: int
@@ -215,9 +242,61 @@ class Plan:
     q_lens: np.ndarray = field(repr=False)
     kv_lens: np.ndarray = field(repr=False)
     needed_pages: np.ndarray = field(repr=False)  # pages read: ceil(kv_len / page); 0 if q_len 0
-    item_cost_us: np.ndarray = field(repr=False)  # predicted time of each work row
-    cta_cost_us: np.ndarray = field(repr=False)  # predicted time of each CTA list
     _pages: "_PageSet" = field(repr=False, default=None)
+    # () -> (item_cost_us, cta_cost_us, the lists' prefill time), computed on first call
+    _costs: object = field(repr=False, default=None)
+    # the planner's whole-buffer device views (name -> tensor) and this plan's page entries
+    _buffers: dict = field(repr=False, default=None)
+    _num_page_entries: int = field(repr=False, default=0)
+
+    @property
+    def item_cost_us(self) -> np.ndarray:  # predicted time of each work row
+        return self._costs()[0]
+
+    @property
+    def cta_cost_us(self) -> np.ndarray:  # predicted time of each CTA list
+        return self._costs()[1]
+
+    # --- device views of this plan's metadata (docs/design.md) ---
+    @cached_property
+    def work(self) -> torch.Tensor:  # [num_items, WORK_COLS], rows grouped by CTA
+        return self._buffers["work"][: self.num_items]
+
+    @cached_property
+    def cta_ptr(self) -> torch.Tensor:  # [grid + 1]: CTA c runs work[cta_ptr[c]:cta_ptr[c+1]]
+        return self._buffers["cta_ptr"]
+
+    @cached_property
+    def merge(self) -> torch.Tensor:  # [num_merge, MERGE_COLS]
+        return self._buffers["merge"][: self.num_merge]
+
+    @cached_property
+    def slot_merge(self) -> torch.Tensor:  # [num_slots]: merge row of each split slot
+        return self._buffers["slot_merge"][: self.num_slots]
+
+    @cached_property
+    def merge_sem(self) -> torch.Tensor:  # [cap_merges] zeros; the merging CTA resets its entry
+        return self._buffers["merge_sem"]
+
+    @cached_property
+    def q_start(self) -> torch.Tensor:  # [B + 1] (cu_seqlens_q)
+        return self._buffers["q_start"][: self.batch_size + 1]
+
+    @cached_property
+    def kv_len(self) -> torch.Tensor:  # [B]
+        return self._buffers["kv_len"][: self.batch_size]
+
+    @cached_property
+    def page_start(self) -> torch.Tensor:  # [B]: offset of request b's first page in page_list
+        return self._buffers["page_start"][: self.batch_size]
+
+    @cached_property
+    def page_list(self) -> torch.Tensor:  # [num_page_entries]: the plan-owned copy of the pages
+        return self._buffers["page_list"][: self._num_page_entries]
+
+    @cached_property
+    def params(self) -> torch.Tensor:  # float32 [NUM_PARAMS] (metadata.Param): sm_scale, ...
+        return self._buffers["params"]
 
     def pages_within(self, num_pages: int) -> bool:
         """True if plan()'s bound already shows every page read is < num_pages (O(1))."""
@@ -283,6 +362,8 @@ def _host_arrays(named: dict) -> dict:
     for name, x in named.items():
         if x is None:
             out[name] = None
+        elif type(x) is torch.Tensor and x.dtype is torch.int32 and x.is_cpu:
+            out[name] = x.numpy()  # the common case, checked in one line
         elif isinstance(x, torch.Tensor):
             if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
                 raise TypeError(f"{name} must be an integer tensor (int32), got {x.dtype}")
@@ -306,6 +387,24 @@ def _host_arrays(named: dict) -> dict:
     return out
 
 
+# signed integer dtype -> (its unsigned twin, its max)
+_UNSIGNED = {np.dtype(t): (np.dtype("u" + t), np.iinfo(t).max)
+             for t in ("int8", "int16", "int32", "int64")}
+
+
+def _min_max(a: np.ndarray) -> tuple[int, int]:
+    """(a lower bound, the max) of a non-empty integer array: 0 when no entry is negative,
+    else the min. One pass in the common case: viewed as unsigned, negative entries are
+    the largest."""
+    unsigned = _UNSIGNED.get(a.dtype)
+    if unsigned is None:  # unsigned, or signed in a byte order the table lacks
+        return (0 if a.dtype.kind == "u" else int(a.min())), int(a.max())
+    top = int(a.view(unsigned[0]).max())
+    if top <= unsigned[1]:
+        return 0, top
+    return int(a.min()), int(a.max())
+
+
 class _PageSet:
     """The pages a batch reads: request b reads its first used[b] pages."""
 
@@ -324,20 +423,23 @@ class _PageSet:
         indices, indptr = self.csr
         return req, indices[indptr[:-1][req] + j]
 
-    def bounds(self):
+    def bounds(self, width=None):
         """(lower, upper) bound of the page indices read; (0, -1) if none. Cheap: a block
-        table is scanned over its used columns, unused entries included."""
+        table is scanned over its used columns (`width` = max(used) if known), unused
+        entries included."""
         used = self.used
+        if self.bt is not None:
+            if width is None:
+                width = int(used.max()) if used.size else 0
+            if not width:
+                return 0, -1
+            return _min_max(self.bt[:, :width])
         if not used.size or not used.any():
             return 0, -1
-        if self.bt is not None:
-            sub = self.bt[:, : int(used.max())]
-            return int(sub.min()), int(sub.max())
         indices, indptr = self.csr
         if (used == indptr[1:] - indptr[:-1]).all():
-            sub = indices[indptr[0]: indptr[-1]]
-            self._exact = int(sub.max())
-            return int(sub.min()), self._exact
+            lo, self._exact = _min_max(indices[indptr[0]: indptr[-1]])
+            return lo, self._exact
         _, pages = self._flat()
         self._exact = int(pages.max())
         return int(pages.min()), self._exact
@@ -418,6 +520,10 @@ class Planner:
         self._min_tiles = (max(1, math.ceil(c.min_chunk_us / us_tile)),
                            max(1, math.ceil(c.min_chunk_us / (us_tok * tn))))
         self._mt = np.array(self._min_tiles, dtype=np.int64)
+        # Per kind, the work rows of one row tile before its REQ and rows: one per KV head.
+        self._group_rows = np.zeros((2, num_kv_heads, WORK_COLS), dtype=np.int32)
+        self._group_rows[:, :, WorkCol.KV_HEAD] = np.arange(num_kv_heads)
+        self._group_rows[:, :, WorkCol.KIND] = np.array([Kind.PREFILL, Kind.DECODE])[:, None]
         self._bounds_unit = np.arange(1, self.grid, dtype=np.float64) / self.grid
         # Which kind each list starts with: its slot on the SM (lists s, s + num_sms, ...
         # share SM s), or, with one CTA per SM, its SM's parity.
@@ -485,6 +591,8 @@ class Planner:
         self._h["work"] = self._h["work"].reshape(cap.items, WORK_COLS)
         self._h["params"] = self._h["params"].view(np.float32)
         d = self._d
+        d["page_list"], d["merge_sem"] = self._page_list, self._merge_sem  # for Plan's views
+        self._iota = np.arange(cap.batch + 1)  # request indices, sliced instead of made
         # The kernel's metadata arguments: whole buffers, the same tuple for every plan of
         # this buffer epoch (so a CUDA graph that captured them stays valid).
         self.kernel_args = (d["work"], d["cta_ptr"], d["q_start"], d["kv_len"],
@@ -541,8 +649,6 @@ class Planner:
         with CSR pages, from `last_page_len`: kv_len = (pages - 1) * page_size + last.
         Raises ValueError naming the argument for a bad value; `_kv_name` is what the
         messages call kv_lens."""
-        cfg = self.config
-        ps = cfg.page_size
         if (block_table is None) == (kv_indices is None):
             raise ValueError("pass exactly one page format: block_table, or kv_indptr + "
                              "kv_indices")
@@ -555,6 +661,68 @@ class Planner:
         h = _host_arrays({"cu_seqlens_q": cu_seqlens_q, _kv_name: kv_lens,
                           "block_table": block_table, "kv_indptr": kv_indptr,
                           "kv_indices": kv_indices, "last_page_len": last_page_len})
+        # One combined test in the common case; anything off takes the detailed checks,
+        # which raise naming the first fault (and compute the same values otherwise).
+        inputs = self._common_inputs(h, causal, _kv_name)
+        if inputs is None:
+            inputs = self._checked_inputs(h, causal, _kv_name)
+        sm_scale = self._kernel_scale(sm_scale)
+        cu, q_len, kvl, used, total_q, max_page_index, pages, page_src, num_entries = inputs
+        self._ensure_capacity(q_len.size, total_q, num_entries)
+        return self._build(cu, q_len, kvl, used, causal, sm_scale, total_q, max_page_index,
+                           pages, page_src, num_entries)
+
+    def _common_inputs(self, h, causal, kv_name):
+        """The batch's index arrays (as _checked_inputs returns them) when every check
+        passes, tested with a few reductions instead of one pass per check; None when
+        anything is off (or the input is unusual: B == 0, last_page_len, arrays not 1-D):
+        then _checked_inputs finds and names the first fault."""
+        ps = self.config.page_size
+        cu, kv, bt = h["cu_seqlens_q"], h[kv_name], h["block_table"]
+        B = cu.size - 1
+        if kv is None or B < 1 or cu.ndim != 1 or kv.shape != (B,) or cu[0] != 0:
+            return None
+        cu = cu.astype(np.int64)
+        kvl = kv.astype(np.int64)
+        q_len = cu[1:] - cu[:-1]
+        q_min, kv_max = q_len.min(), kvl.max()
+        # non-decreasing cu_seqlens_q; 0 <= kv_len <= MAX_KV_LEN; causal: q_len <= kv_len
+        # (which with q_len >= 0 implies kv_len >= 0)
+        if q_min < 0 or kv_max > MAX_KV_LEN or (
+                (kvl - q_len).min() < 0 if causal else kvl.min() < 0):
+            return None
+        needed = (kvl + (ps - 1)) // ps
+        used = needed if q_min > 0 else needed * (q_len > 0)
+        if bt is not None:
+            max_needed = (int(kv_max) + ps - 1) // ps  # needed.max(): needed grows with kv_len
+            if bt.ndim != 2 or bt.shape[0] != B or max_needed > bt.shape[1]:
+                return None
+            width = max_needed if q_min > 0 else int(used.max())
+            pages = _PageSet(bt, None, used)
+            lo, max_page_index = pages.bounds(width)
+            page_src, num_entries = ("table", bt, width), B * width
+        else:
+            indptr, indices = h["kv_indptr"], h["kv_indices"]
+            if indptr.shape != (B + 1,) or indices.ndim != 1:
+                return None
+            indptr = indptr.astype(np.int64)
+            page_count = indptr[1:] - indptr[:-1]
+            if (indptr[0] < 0 or page_count.min() < 0 or indptr[-1] > indices.size
+                    or (needed - page_count).max() > 0):
+                return None
+            pages = _PageSet(None, (indices, indptr), used)
+            lo, max_page_index = pages.bounds()
+            page_src, num_entries = ("csr", indices, indptr), int(indptr[-1] - indptr[0])
+        if lo < 0:
+            return None
+        return (cu, q_len, kvl, used, int(cu[-1]), max_page_index, pages, page_src,
+                num_entries)
+
+    def _checked_inputs(self, h, causal, kv_name):
+        """Every check of the index inputs, in order, each raising a ValueError that names
+        the argument; returns (cu, q_len, kv_len, pages used, total_q, max page index,
+        _PageSet, page source, page-list entries)."""
+        ps = self.config.page_size
         cu = h["cu_seqlens_q"].reshape(-1).astype(np.int64)
         if cu.size < 1:
             raise ValueError("cu_seqlens_q must have B+1 >= 1 entries")
@@ -568,7 +736,7 @@ class Planner:
                              f"({int(cu[b])} -> {int(cu[b + 1])})")
         total_q = int(cu[-1])
 
-        if block_table is not None:
+        if h["block_table"] is not None:
             bt = h["block_table"]
             if bt.ndim != 2 or bt.shape[0] != B:
                 raise ValueError(f"block_table must be [B={B}, max_pages], got shape "
@@ -587,13 +755,13 @@ class Planner:
                 raise ValueError(f"kv_indptr[-1]={int(indptr[-1])} exceeds len(kv_indices)="
                                  f"{indices.size}")
 
-        if kv_lens is not None:
-            kv_src = _kv_name
-            kvl = h[_kv_name].reshape(-1).astype(np.int64)
+        if h[kv_name] is not None:
+            kv_src = kv_name
+            kvl = h[kv_name].reshape(-1).astype(np.int64)
             if kvl.size != B:
-                raise ValueError(f"{_kv_name} must have B={B} entries, got {kvl.size}")
+                raise ValueError(f"{kv_name} must have B={B} entries, got {kvl.size}")
             if B and kvl.min() < 0:
-                raise ValueError(f"{_kv_name} must be >= 0, got {int(kvl.min())} at index "
+                raise ValueError(f"{kv_name} must be >= 0, got {int(kvl.min())} at index "
                                  f"{int(kvl.argmin())}")
         else:
             kv_src = "last_page_len"
@@ -641,17 +809,6 @@ class Planner:
                 name = "block_table" if page_count is None else "kv_indices"
                 raise ValueError(f"{name} holds a negative page index ({lo}) among the pages "
                                  f"request {b} reads")
-        given = sm_scale
-        try:
-            sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(cfg.head_dim)
-        except OverflowError:  # an int past float64
-            sm_scale = math.inf
-        with np.errstate(over="ignore"):
-            f32 = np.float32(sm_scale)
-        if not (np.isfinite(f32) and f32 > 0):
-            raise ValueError(f"sm_scale must be a positive float32 (the kernel's type), got "
-                             f"{given}")
-
         # The page list the kernel reads is a plan-owned copy: a block table's first
         # max(used) columns of every row, or the CSR indices in use.
         if page_count is None:
@@ -659,9 +816,26 @@ class Planner:
             page_src, num_entries = ("table", bt, width), B * width
         else:
             page_src, num_entries = ("csr", indices, indptr), int(indptr[-1] - indptr[0])
-        self._ensure_capacity(B, total_q, num_entries)
-        return self._build(cu, q_len, kvl, used, causal, sm_scale, total_q, max_page_index,
-                           pages, page_src, num_entries)
+        return cu, q_len, kvl, used, total_q, max_page_index, pages, page_src, num_entries
+
+    def _kernel_scale(self, sm_scale) -> float:
+        """sm_scale as a float (default 1/sqrt(head_dim)); ValueError unless it is a
+        positive float32, the kernel's type."""
+        if sm_scale is None:
+            return 1.0 / math.sqrt(self.config.head_dim)
+        given = sm_scale
+        try:
+            sm_scale = float(sm_scale)
+        except OverflowError:  # an int past float64
+            sm_scale = math.inf
+        if 1e-37 < sm_scale < 1e38:  # a normal float32: no need for numpy's rounding
+            return sm_scale
+        with np.errstate(over="ignore"):
+            f32 = np.float32(sm_scale)
+        if not (np.isfinite(f32) and f32 > 0):
+            raise ValueError(f"sm_scale must be a positive float32 (the kernel's type), got "
+                             f"{given}")
+        return sm_scale
 
     def _write_pages(self, page_src, num_entries: int, B: int) -> np.ndarray:
         """Copy the pages into the plan-owned staging list; return each request's offset."""
@@ -669,7 +843,7 @@ class Planner:
         if fmt == "table":  # arg: columns copied (the most pages a request reads)
             if num_entries:
                 self._page_staging[:num_entries].reshape(B, arg)[:] = pages[:, :arg]
-            return np.arange(B, dtype=np.int64) * arg
+            return self._iota[:B] * arg
         self._page_staging[:num_entries] = pages[arg[0]: arg[-1]]  # arg: kv_indptr
         return arg[:-1] - arg[0]
 
@@ -677,11 +851,12 @@ class Planner:
 
     def _span(self, kind, kv_start, kv_end):
         """KV tokens a piece costs: a prefill tile is tensor work whether its keys are all
-        visible or not (whole tiles); decode streams the bytes of its tokens."""
+        visible or not (whole tiles); decode streams the bytes of its tokens. kv_start
+        None: 0."""
         if kind == Kind.PREFILL:
             tn = self.config.kernel.tile_n
-            return (kv_end + (tn - 1)) // tn * tn - kv_start
-        return kv_end - kv_start
+            kv_end = (kv_end + (tn - 1)) // tn * tn
+        return kv_end if kv_start is None else kv_end - kv_start
 
     def _presplit(self, e, fixed, rate, min_tiles):
         """Split KV ranges [0, e) into tile-aligned pieces of about equal work, each
@@ -715,85 +890,107 @@ class Planner:
         r_p, r_d, r_row, o_p, o_d = self._us
 
         rows = q_len * G
-        is_dec = (rows > 0) & (rows <= tm_d)
-        preq = (rows > tm_d).nonzero()[0]
-        dreq = is_dec.nonzero()[0]
+        is_pre = rows > tm_d
+        preq = is_pre.nonzero()[0]
+        if preq.size or not rows.all():
+            dreq = ((rows > 0) ^ is_pre).nonzero()[0]  # 0 < rows <= tm_d
+            d_rows, d_kv = rows[dreq], kvl[dreq]
+        else:  # the common decode step: every request is decode work
+            dreq, d_rows, d_kv = self._iota[:B], rows, kvl
 
         # ---- groups: work items before KV splitting ---------------------------------------
-        # prefill (request, kv head, tm_p-row tile), then decode (request, kv head); each in
-        # (request, head, tile) order. tmpl holds each group's work row.
+        # prefill (request, kv head, tm_p-row tile), then decode (request, kv head). tmpl
+        # holds each group's work row, fixed its fixed cost.
         if preq.size:
-            n_rt = (rows[preq] + (tm_p - 1)) // tm_p
-            cnt = n_rt * Hkv
-            n0p = int(cnt.sum())
+            n_rt = (rows[preq] + (tm_p - 1)) // tm_p  # row tiles per prefill request
+            n_tiles = int(n_rt.sum())
+            n0p = n_tiles * Hkv
         else:
             n0p = 0
         n0d = dreq.size * Hkv
         n0 = n0p + n0d
         tmpl = np.empty((n0, WORK_COLS), dtype=np.int32)
-        kinds = []  # per kind: (kind, group offset, kv end, fixed cost, cost per KV token)
+        kv_end = np.empty(n0, dtype=np.int64)  # each group's KV range is [0, kv_end)
+        fixed = np.empty(n0)
+        kinds = []  # per kind: (kind, its groups, cost per KV token)
         if n0p:
-            rep = np.arange(preq.size).repeat(cnt)
-            local = _ragged_arange(cnt, n0p)
-            nr = n_rt[rep]
-            head = local // nr
-            row_start = (local - head * nr) * tm_p
-            req = preq[rep]
+            # The row tiles, in (request, tile) order: the KV heads of one are alike.
+            req = preq.repeat(n_rt)
+            row_start = _ragged_arange(n_rt, n_tiles) * tm_p
             row_end = np.minimum(row_start + tm_p, rows[req])
             # keys no row of the item sees are never loaded
             e = visible_end_host(kvl[req], q_len[req], row_end, G, causal)
-            # Zigzag the row tiles by length (longest, shortest, next longest, ...): every
+            # Zigzag the groups by length (longest, shortest, next longest, ...): every
             # stretch of the stream, so every CTA list, then holds long and short tiles in
             # the batch's proportion, and per-item costs the model misses spread evenly.
-            zz = e.argsort(kind="stable")[::-1]
+            # "By length" is a stable sort of the groups in (request, head, tile) order:
+            # the tiles sorted stably, each followed by its heads, except that a request's
+            # tiles of equal length (a run) go head by head (below).
+            srt = e.argsort(kind="stable")
+            e, req = e[srt], req[srt]
+            by_len = np.empty((n_tiles, Hkv, WORK_COLS), dtype=np.int32)
+            by_len[:] = self._group_rows[Kind.PREFILL]  # KV_HEAD = head, KIND = PREFILL
+            by_len[:, :, WorkCol.REQ] = req[:, None]
+            by_len[:, :, WorkCol.ROW_START] = row_start[srt][:, None]
+            by_len[:, :, WorkCol.ROW_END] = row_end[srt][:, None]
+            by_len = _rows(by_len.reshape(n0p, WORK_COLS))
+            run = (e[1:] == e[:-1]) & (req[1:] == req[:-1])  # continues the tile before
+            if run.any():
+                first = np.concatenate(([True], ~run)).nonzero()[0]  # each run's first tile
+                run_len = np.diff(first, append=n_tiles)
+                r = np.arange(first.size).repeat(run_len)  # run of each tile
+                # group (tile p, head h) of a run of L tiles from tile f: f * Hkv + h * L + p - f
+                pos = (first * (Hkv - 1))[r] + np.arange(n_tiles)
+                pos = pos[:, None] + run_len[r][:, None] * np.arange(Hkv)
+                ordered = np.empty_like(by_len)
+                ordered[pos.reshape(-1)] = by_len
+                by_len = ordered
+            e = e.repeat(Hkv)  # (a run's tiles are of one length)
             half = (n0p + 1) // 2
-            zig = np.empty(n0p, dtype=np.int64)
-            zig[0::2], zig[1::2] = zz[:half], zz[half:][::-1]
-            req, head, row_start, row_end, e = (x[zig] for x in (req, head, row_start, row_end, e))
-            t = tmpl[:n0p]
-            t[:, WorkCol.REQ] = req
-            t[:, WorkCol.KV_HEAD] = head
-            t[:, WorkCol.ROW_START] = row_start
-            t[:, WorkCol.ROW_END] = row_end
-            t[:, WorkCol.KIND] = Kind.PREFILL
-            kinds.append((Kind.PREFILL, 0, e, np.full(n0p, o_p), r_p))
+            zig = _rows(tmpl[:n0p])
+            zig[0::2], zig[1::2] = by_len[::-1][:half], by_len[: n0p - half]
+            ends = kv_end[:n0p]
+            ends[0::2], ends[1::2] = e[::-1][:half], e[: n0p - half]
+            fixed[:n0p] = o_p
+            kinds.append((Kind.PREFILL, slice(0, n0p), r_p))
         if n0d:
             t = tmpl[n0p:].reshape(dreq.size, Hkv, WORK_COLS)
+            t[:] = self._group_rows[Kind.DECODE]  # KV_HEAD = head, ROW_START = 0
             t[:, :, WorkCol.REQ] = dreq[:, None]
-            t[:, :, WorkCol.KV_HEAD] = np.arange(Hkv)
-            t[:, :, WorkCol.ROW_START] = 0
-            t[:, :, WorkCol.ROW_END] = rows[dreq][:, None]
-            t[:, :, WorkCol.KIND] = Kind.DECODE
+            t[:, :, WorkCol.ROW_END] = d_rows[:, None]
             # the causal clip is a no-op for an item holding all rows of its request
-            kinds.append((Kind.DECODE, n0p, kvl[dreq].repeat(Hkv),
-                          (rows[dreq] * r_row + o_d).repeat(Hkv), r_d))
+            kv_end[n0p:].reshape(dreq.size, Hkv)[:] = d_kv[:, None]
+            fixed[n0p:].reshape(dreq.size, Hkv)[:] = (d_rows * r_row + o_d)[:, None]
+            kinds.append((Kind.DECODE, slice(n0p, n0), r_d))
 
         # ---- pieces of each kind: groups pre-split to <= the kind's work per CTA -----------
         # so each kind reaches every CTA and co-runs with the other on every SM.
-        nch_g = None  # pieces per group, when any group is pre-split
-        cols = []  # per kind: group, index in group, kv start, kv end, fixed cost, cost
-        for kind_k, g0, e, f, rate in kinds:
-            sp = self._presplit(e, f, rate, self._min_tiles[kind_k])
-            if sp is None:
-                n_k = e.size
-                z = np.zeros(n_k, dtype=np.int64)
-                cols.append((np.arange(g0, g0 + n_k), z, z, e, f,
-                             f + self._span(kind_k, z, e) * rate))
-            else:
-                src, j, s, e2, nch = sp
-                if nch_g is None:
-                    nch_g = np.ones(n0, dtype=np.int64)
-                nch_g[g0: g0 + e.size] = nch
-                f2 = f[src]
-                cols.append((src + g0, j, s, e2, f2, f2 + self._span(kind_k, s, e2) * rate))
-        n1p = cols[0][0].size if n0p else 0
-        if len(cols) == 2:
-            g1, j1, s1, e1, f1, c1 = (np.concatenate(x) for x in zip(*cols))
-        elif cols:
-            g1, j1, s1, e1, f1, c1 = cols[0]
+        splits = [self._presplit(kv_end[sl], fixed[sl], rate, self._min_tiles[kind_k])
+                  for kind_k, sl, rate in kinds]
+        if not any(splits):  # (each is None or a tuple)
+            # The pieces are the groups (g1 None: piece i is group i), with their KV ranges.
+            nch_g = g1 = j1 = None
+            s1, e1, c1 = np.zeros(n0, dtype=np.int64), kv_end, np.empty(n0)
+            for kind_k, sl, rate in kinds:
+                np.add(fixed[sl], self._span(kind_k, None, kv_end[sl]) * rate, out=c1[sl])
+            n1p = n0p
         else:
-            g1 = j1 = s1 = e1 = np.zeros(0, dtype=np.int64)
-            f1 = c1 = np.zeros(0)
+            nch_g = np.ones(n0, dtype=np.int64)  # pieces per group
+            cols = []  # per kind: group, index in group, kv start, kv end, cost
+            for (kind_k, sl, rate), sp in zip(kinds, splits):
+                e, f, g0 = kv_end[sl], fixed[sl], sl.start
+                if sp is None:
+                    z = np.zeros(e.size, dtype=np.int64)
+                    cols.append((np.arange(g0, g0 + e.size), z, z, e,
+                                 f + self._span(kind_k, None, e) * rate))
+                else:
+                    src, j, s, e2, nch = sp
+                    nch_g[sl] = nch
+                    cols.append((src + g0, j, s, e2,
+                                 f[src] + self._span(kind_k, s, e2) * rate))
+            n1p = cols[0][0].size if n0p else 0
+            g1, j1, s1, e1, c1 = (np.concatenate(x) for x in zip(*cols)) if len(cols) == 2 \
+                else cols[0]
         n1 = c1.size
 
         # ---- one stream, cut into the CTA lists ------------------------------------------
@@ -805,29 +1002,36 @@ class Planner:
         # the mean +- about one KV tile plus an overhead.
         both = bool(n0p and n0d)
         if both:
-            cs = c1.cumsum()
-            p_tot = float(cs[n1p - 1])
-            x = np.empty(n1)
-            x[:n1p] = (cs[:n1p] - c1[:n1p]) * (1.0 / p_tot)
-            x[n1p:] = (cs[n1p:] - c1[n1p:] - p_tot) * (1.0 / (float(cs[-1]) - p_tot))
+            x = c1.cumsum()
+            p_tot, total = float(x[n1p - 1]), float(x[-1])
+            x -= c1  # each piece's start, then its progress through its kind
+            x[:n1p] *= 1.0 / p_tot
+            x[n1p:] -= p_tot
+            x[n1p:] *= 1.0 / (total - p_tot)
             order = x.argsort(kind="stable")  # two sorted runs: a merge; prefill first at ties
             c = c1[order]
         else:
             order, c = None, c1
-        end = c.cumsum()
-        start = end - c
-        bounds = self._bounds_unit * (float(end[-1]) if n1 else 0.0)
+        cum = np.empty(n1 + 1)  # cost before each piece, and the total
+        cum[0] = 0.0
+        end = c.cumsum(out=cum[1:])
+        bounds = self._bounds_unit * float(cum[-1])
 
         m = 0
         if n1:
             i = end.searchsorted(bounds, "right")  # the piece under each boundary
-            i = i[i < n1]
+            if i.size and i[-1] >= n1:  # boundaries at the very end (rounding): none
+                i = i[: i.searchsorted(n1)]
             ch = order[i] if both else i
-            s_i, e_i = s1[ch], e1[ch]
+            s_i, e_i, c_i = s1[ch], e1[ch], c[i]
             span_t = (e_i - s_i + (tn - 1)) // tn
             mt = self._mt[(ch >= n1p).view(np.int8)] if both else \
                 self._mt[Kind.PREFILL if n0p else Kind.DECODE]
-            k = np.rint((bounds[: i.size] - start[i]) / c[i] * span_t).astype(np.int64)
+        # A cut must leave >= min_tiles on both sides: none when no piece under a boundary
+        # has 2 * min_tiles (then skip the search).
+        if n1 and (span_t >= 2 * mt).any():
+            start_i = end[i] - c_i
+            k = np.rint((bounds[: i.size] - start_i) / c_i * span_t).astype(np.int64)
             # Boundaries closer than min_tiles under one piece (per-CTA load below
             # min_chunk): snap that piece's cuts to multiples of min_tiles and drop repeats,
             # so every part keeps >= min_tiles tiles (k ascends within a piece).
@@ -844,7 +1048,7 @@ class Planner:
                         (k[sn] + mt[sn] // 2) // mt[sn] * mt[sn]
                     ok = (k >= mt) & (k <= span_t - mt)
                     ok[1:] &= ~(same & (k[1:] == k[:-1]))
-            m = int(ok.sum())
+            m = np.count_nonzero(ok)
 
         if m:
             ci, ck, cspan = i[ok], k[ok], span_t[ok]
@@ -853,34 +1057,28 @@ class Planner:
             src = np.arange(n1).repeat(npc)  # stream position of each part
             cut_pos = ci + np.arange(1, m + 1)  # the part that starts at each cut
             cut_kv = np.minimum(s_i[ok] + ck * tn, e_i[ok])
-            cut_u = start[ci] + c[ci] * ck / cspan  # the cut in stream cost coordinates
+            cut_u = start_i[ok] + c_i[ok] * ck / cspan  # the cut in stream cost coordinates
             chunk = order[src] if both else src
         else:
             chunk = order  # None: identity
-        if chunk is None:
+        if chunk is None:  # (g None: part i is group i)
             g, kv_s, kv_e, pc, n = g1, s1, e1, c1, n1
         else:
-            g, kv_s, kv_e, n = g1[chunk], s1[chunk], e1[chunk], chunk.size
-            pc = c[src] if m else c
+            kv_e, n = e1[chunk], chunk.size
+            g, kv_s = (chunk, np.zeros(n, dtype=np.int64)) if g1 is None else \
+                (g1[chunk], s1[chunk])
+            pc = c[src] if m else c  # each part's cost, the piece's until fixed (below)
         kind = (chunk >= n1p) if both else None  # True: decode
+        fix = None  # the parts next to a cut, whose costs are their own
         if m:
-            kv_s[cut_pos] = cut_kv
-            kv_e[cut_pos - 1] = cut_kv
-            fix = np.concatenate((cut_pos - 1, cut_pos))
-            if both:
-                dec_fix = kind[fix]
-                span = np.where(dec_fix, self._span(Kind.DECODE, kv_s[fix], kv_e[fix]),
-                                self._span(Kind.PREFILL, kv_s[fix], kv_e[fix]))
-                rate = np.where(dec_fix, r_d, r_p)
-            else:
-                k_fix = Kind.PREFILL if n0p else Kind.DECODE
-                span = self._span(k_fix, kv_s[fix], kv_e[fix])
-                rate = r_p if n0p else r_d
-            pc[fix] = f1[chunk[fix]] + span * rate
-            u_lo, u_hi = start[src], end[src]
+            u_hi = end[src]  # each part's span in stream cost coordinates
+            u_lo = u_hi - pc
             u_lo[cut_pos] = cut_u
             u_hi[cut_pos - 1] = cut_u
             mid = 0.5 * (u_lo + u_hi)
+            kv_s[cut_pos] = cut_kv
+            kv_e[cut_pos - 1] = cut_kv
+            fix = np.concatenate((cut_pos - 1, cut_pos))
         else:
             mid = end - 0.5 * c
 
@@ -889,14 +1087,6 @@ class Planner:
         ptr[0] = 0
         ptr[1:grid] = mid.searchsorted(bounds, "left")
         ptr[grid] = n
-        cum = np.zeros(n + 1)
-        pc.cumsum(out=cum[1:])
-        cta_load = cum[ptr[1:]] - cum[ptr[:-1]]
-        if both:
-            (pc * ~kind).cumsum(out=cum[1:])
-            p_load = cum[ptr[1:]] - cum[ptr[:-1]]
-        else:
-            p_load = cta_load if n0p else cta_load * 0
 
         # ---- split slots and merges: a group with >= 2 parts writes partials --------------
         # Its slots are contiguous: pre-split piece j takes local slot j, the part after
@@ -906,36 +1096,40 @@ class Planner:
             # Only the cut split groups, and a cut group's parts are adjacent: number the
             # parts next to a cut in stream order.
             split = np.zeros(n, dtype=bool)
-            split[cut_pos] = True
-            split[cut_pos - 1] = True
-            slot = split.cumsum() - 1
-            num_slots = int(slot[-1]) + 1
-            slot[~split] = -1
-            firsts = cut_pos[np.concatenate(([True], ci[1:] != ci[:-1]))] - 1
+            split[fix] = True
+            at = split.nonzero()[0]
+            num_slots = at.size
+            slot = np.full(n, -1, dtype=np.int64)
+            slot[at] = np.arange(num_slots)
+            first_cut = np.concatenate(([True], ci[1:] != ci[:-1]))
+            firsts = cut_pos[first_cut] - 1
             num_merge = firsts.size
             m_rows = g[firsts]
             m_first = slot[firsts]
-            m_count = npc[ci[np.concatenate(([True], ci[1:] != ci[:-1]))]]
-        elif m or nch_g is not None:
-            gcount = np.bincount(g, minlength=n0)
-            split_g = gcount > 1
-            gsz = gcount * split_g
-            first_slot = gsz.cumsum() - gsz
-            num_slots = int(first_slot[-1] + gsz[-1])
-            loc = j1[chunk] if (nch_g is not None and chunk is not None) else (
-                j1.copy() if nch_g is not None else np.zeros(n, dtype=np.int64))
+            m_count = npc[ci[first_cut]]
+        elif nch_g is not None:
+            gcount = nch_g
             if m:
                 gc = g[cut_pos]
+                gcount = nch_g + np.bincount(gc, minlength=n0)
+            m_rows = (gcount > 1).nonzero()[0]
+            num_merge = m_rows.size
+            m_count = gcount[m_rows]
+            m_end = m_count.cumsum()
+            num_slots = int(m_end[-1]) if num_merge else 0
+            m_first = m_end - m_count
+            # A part's slot = its group's first slot + its local slot; -1 (and local slot
+            # 0) outside split groups.
+            first_slot = np.full(n0, -1, dtype=np.int64)
+            first_slot[m_rows] = m_first
+            loc = j1[chunk] if chunk is not None else j1.copy()
+            if m:
                 o = gc.argsort(kind="stable")
                 gs = gc[o]
                 rank = np.empty(m, dtype=np.int64)
                 rank[o] = np.arange(m) - gs.searchsorted(gs)
-                loc[cut_pos] = (1 if nch_g is None else nch_g[gc]) + rank
+                loc[cut_pos] = nch_g[gc] + rank
             slot = first_slot[g] + loc
-            slot[~split_g[g]] = -1
-            m_rows = split_g.nonzero()[0]
-            num_merge = m_rows.size
-            m_first, m_count = first_slot[m_rows], gcount[m_rows]
         cap = self.capacity
         if n > cap.items or num_merge > cap.merges or num_slots > cap.slots:
             raise AssertionError("podcute planner exceeded its capacity bound "
@@ -946,11 +1140,14 @@ class Planner:
         self._sync_staging()
         hs = self._h
         wk = hs["work"][:n]
-        np.take(_rows(tmpl), g, out=_rows(wk))
+        if g is None:
+            wk[:] = tmpl
+        else:
+            np.take(_rows(tmpl), g, out=_rows(wk))
         wk[:, WorkCol.KV_START] = kv_s
         wk[:, WorkCol.KV_END] = kv_e
         wk[:, WorkCol.SPLIT_SLOT] = slot if num_slots else -1
-        item_cost = pc
+        swaps = None  # (rows, rows): list heads swapped with a later row of the other kind
         if both:
             # Even lists start with prefill, odd ones with decode (when they hold both): swap
             # the first row with the first one of the wanted kind (all rows between are of
@@ -959,13 +1156,20 @@ class Planner:
             ip, idd = (~kind).nonzero()[0], kind.nonzero()[0]
             f = np.where(self._odd, idd[np.minimum(idd.searchsorted(a), idd.size - 1)],
                          ip[np.minimum(ip.searchsorted(a), ip.size - 1)])
-            fix = (f > a) & (f < b)
-            if fix.any():
-                fa, ff = a[fix], f[fix]
+            moved = (f > a) & (f < b)
+            if moved.any():
+                swaps = a[moved], f[moved]
                 rv = _rows(wk)
-                rv[fa], rv[ff] = rv[ff], rv[fa].copy()
-                item_cost = pc.copy()
-                item_cost[fa], item_cost[ff] = pc[ff], pc[fa]
+                rv[swaps[0]], rv[swaps[1]] = rv[swaps[1]], rv[swaps[0]].copy()
+        if n0d:
+            # A decode item's ordinal among its CTA list's decode items, above the kind
+            # bit: the phase of the kernel's decode hand-over (metadata.KIND_BITS).
+            kind_col = wk[:, WorkCol.KIND]
+            dec = kind_col == Kind.DECODE
+            before = np.zeros(n + 1, dtype=np.int64)
+            np.cumsum(dec, out=before[1:])
+            ordinal = before[:-1] - np.repeat(before[ptr[:-1]], np.diff(ptr))
+            kind_col[dec] |= (ordinal[dec] << KIND_BITS).astype(np.int32)
         hs["params"][Param.SM_SCALE] = sm_scale
         hs["cta_ptr"][:] = ptr
         hs["q_start"][: B + 1] = cu
@@ -987,35 +1191,76 @@ class Planner:
                 self._copy_done = torch.cuda.Event()
             self._copy_done.record()
 
-        # ---- summary ------------------------------------------------------------------------
-        cta_cost, p_us = cta_load, p_load
+        # What the plan predicts (per-item and per-CTA times, the summary) is computed when
+        # first read, from arrays nothing writes again: the kernel needs none of it. Until
+        # then it holds the part costs and kinds (9 bytes a work row) and the cut parts'.
+        fixes = None if fix is None else (fix, fixed[g[fix]], kv_s[fix], kv_e[fix])
+        costs = _once(lambda: self._predicted_costs(pc, kind, ptr, swaps, n0p, fixes))
+        counts = dict(num_requests=B, num_prefill_requests=preq.size,
+                      num_decode_requests=dreq.size, num_split_items=num_slots,
+                      num_merges=num_merge, grid=grid)
+        summary = PlanSummary._lazy(lambda: self._summary_values(
+            counts, costs()[1:], kind, n, n0d))
+        return Plan(
+            config=cfg, causal=bool(causal), sm_scale=sm_scale,
+            total_q=total_q, batch_size=B, num_items=n, num_merge=num_merge,
+            num_slots=num_slots, grid=grid, max_page_index=max_page_index,
+            buffer_epoch=self.buffer_epoch, summary=summary, kernel_args=self.kernel_args,
+            q_lens=q_len, kv_lens=kvl, needed_pages=used, _pages=pages, _buffers=self._d,
+            _num_page_entries=num_entries, _costs=costs)
+
+    def _predicted_costs(self, pc, kind, ptr, swaps, n0p, fixes):
+        """(predicted time of each work row, of each CTA list, of each list's prefill
+        rows). pc: each part's cost, its piece's for the parts next to a cut, which have
+        their own: `fixes` = (those parts, their fixed costs, KV starts, KV ends), or None;
+        kind: True for decode (None: all of one kind); swaps: the rows the list heads
+        were swapped with."""
+        r_p, r_d = self._us[:2]
+        if fixes is not None:
+            fix, f, s, e = fixes
+            pc = pc.copy()
+            if kind is not None:
+                dec_fix = kind[fix]
+                span = np.where(dec_fix, self._span(Kind.DECODE, s, e),
+                                self._span(Kind.PREFILL, s, e))
+                rate = np.where(dec_fix, r_d, r_p)
+            else:
+                k_fix = Kind.PREFILL if n0p else Kind.DECODE
+                span = self._span(k_fix, s, e)
+                rate = r_p if n0p else r_d
+            pc[fix] = f + span * rate
+        cum = np.zeros(pc.size + 1)
+        pc.cumsum(out=cum[1:])
+        cta_cost = cum[ptr[1:]] - cum[ptr[:-1]]
+        if kind is not None:
+            (pc * ~kind).cumsum(out=cum[1:])
+            p_cost = cum[ptr[1:]] - cum[ptr[:-1]]
+        else:
+            p_cost = cta_cost if n0p else cta_cost * 0
+        item_cost = pc
+        if swaps is not None:
+            fa, ff = swaps
+            item_cost = pc.copy()
+            item_cost[fa], item_cost[ff] = pc[ff], pc[fa]
+        return item_cost, cta_cost, p_cost
+
+    def _summary_values(self, counts, costs, kind, n, n0d):
+        """PlanSummary's fields: `counts` plus the predictions from the per-CTA costs
+        (all rows, prefill rows) and the rows' kinds (True: decode; None: all of one
+        kind, decode if n0d)."""
+        cta_cost, p_us = costs
         spm = self.config.kernel.ctas_per_sm
         per_sm = cta_cost.reshape(spm, -1).T
         p_sm = p_us.reshape(spm, -1).T
         mean = cta_cost.mean()
-        n_d = int(kind.sum()) if both else (n if n0d else 0)
+        n_d = int(kind.sum()) if kind is not None else (n if n0d else 0)
         # The HBM bound of the whole batch: every decode byte at the full-chip rate.
         d_total = (float((cta_cost - p_us).sum()) * self.cost.decode_sm_bandwidth
                    / self.cost.ref_num_sms)
-        summary = PlanSummary(
-            num_requests=B, num_prefill_requests=preq.size, num_decode_requests=dreq.size,
-            num_prefill_items=n - n_d, num_decode_items=n_d,
-            num_split_items=num_slots, num_merges=num_merge,
+        return dict(
+            counts, num_prefill_items=n - n_d, num_decode_items=n_d,
             predicted_prefill_us=float(p_us.max()),
             predicted_decode_us=float((cta_cost - p_us).max()),
             predicted_us=float(max(per_sm.max(), p_sm.sum(1).max(),
                                    (per_sm - p_sm).sum(1).max(), d_total)),
-            balance=float(cta_cost.max() / mean) if mean > 0 else 1.0, grid=grid)
-        d = self._d
-        return Plan(
-            config=cfg, causal=bool(causal), sm_scale=sm_scale,
-            work=d["work"][:n], cta_ptr=d["cta_ptr"], merge=d["merge"][:num_merge],
-            slot_merge=d["slot_merge"][:num_slots], merge_sem=self._merge_sem,
-            q_start=d["q_start"][: B + 1], kv_len=d["kv_len"][:B],
-            page_start=d["page_start"][:B], page_list=self._page_list[:num_entries],
-            params=d["params"],
-            total_q=total_q, batch_size=B, num_items=n, num_merge=num_merge,
-            num_slots=num_slots, grid=grid, max_page_index=max_page_index,
-            buffer_epoch=self.buffer_epoch, summary=summary, kernel_args=self.kernel_args,
-            q_lens=q_len, kv_lens=kvl, needed_pages=used,
-            item_cost_us=item_cost, cta_cost_us=cta_cost, _pages=pages)
+            balance=float(cta_cost.max() / mean) if mean > 0 else 1.0)

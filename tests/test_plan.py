@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from podcute.kernels.config import SUPPORTED_PAGE_SIZES, KernelConfig
-from podcute.kernels.metadata import Kind, MergeCol, WorkCol
+from podcute.kernels.metadata import KIND_BITS, KIND_MASK, Kind, MergeCol, WorkCol
 from podcute.plan import CapacityError, CostModel, Planner, PlanSummary, capacities
 
 KIND_PREFILL, KIND_DECODE = int(Kind.PREFILL), int(Kind.DECODE)
@@ -65,7 +65,15 @@ def check_plan(plan, q_lens, kv_lens, page_limit):
     assert cta_ptr.shape == (plan.grid + 1,)
     assert cta_ptr[0] == 0 and cta_ptr[-1] == n and (np.diff(cta_ptr) >= 0).all()
 
-    req, head, rs, re, ks, ke, slot, kind = work.T
+    req, head, rs, re, ks, ke, slot, kind_col = work.T
+    kind = kind_col & KIND_MASK
+    # Above the kind bit: a decode item's ordinal among its CTA list's decode items (the
+    # kernel's decode hand-over phase); 0 for prefill items.
+    for c in range(plan.grid):
+        lst = kind_col[cta_ptr[c]: cta_ptr[c + 1]]
+        d = (lst & KIND_MASK) == KIND_DECODE
+        assert (lst[d] >> KIND_BITS).tolist() == list(range(int(d.sum())))
+        assert not (lst[~d] >> KIND_BITS).any()
     rows = q_lens * G
     assert ((req >= 0) & (req < len(q_lens))).all() and ((head >= 0) & (head < Hkv)).all()
     # Classification: decode work iff the whole request fits one decode tile.
@@ -244,7 +252,7 @@ def test_every_cta_gets_both_kinds(seed):
     assert p.config.kernel.ctas_per_sm == 1 and p.grid == p.num_sms
     plan = p.plan(cu, kvl, **pages)
     work, cta_ptr = plan.work.numpy(), plan.cta_ptr.numpy()
-    kind, cost = work[:, WorkCol.KIND], plan.item_cost_us
+    kind, cost = work[:, WorkCol.KIND] & KIND_MASK, plan.item_cost_us
     for k in (KIND_PREFILL, KIND_DECODE):
         if cost[kind == k].sum() / plan.grid < 1.5 * max(cost[kind == k].max(initial=0),
                                                          p.cost.min_chunk_us):

@@ -20,6 +20,8 @@ class WorkCol(IntEnum):
     KV_START = 4
     KV_END = 5
     SPLIT_SLOT = 6
+    # Kind (low KIND_BITS bits) | a decode item's ordinal among the decode items of its
+    # CTA's list << KIND_BITS (the kernel's decode hand-over counts with it).
     KIND = 7
 
 
@@ -43,6 +45,10 @@ MERGE_COLS = len(MergeCol)
 class Kind(IntEnum):
     PREFILL = 0  # up to tile_m_prefill rows, every MMA warpgroup on its own rows
     DECODE = 1  # up to tile_m_decode rows, the MMA warpgroups split the KV tiles
+
+
+KIND_BITS = 1
+KIND_MASK = (1 << KIND_BITS) - 1
 
 
 class Param(IntEnum):

@@ -166,6 +166,7 @@ class PodAttentionSm90:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            mbar_combine: cute.struct.MemRange[cutlass.Int64, 2]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
@@ -246,6 +247,14 @@ class PodAttentionSm90:
         )
         pipeline_k = self._make_kv_pipeline(storage.mbar_k.data_ptr(), producers, consumers)
         pipeline_v = self._make_kv_pipeline(storage.mbar_v.data_ptr(), producers, consumers)
+        # Decode combine hand-over, warpgroup 1 -> warpgroup 0 through the scratch: an
+        # mbarrier pipeline of one stage (every thread arrives, so each thread's scratch
+        # accesses are ordered against the other warpgroup's; racecheck follows it).
+        wg_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, WARPGROUP_THREADS)
+        pipeline_combine = pipeline.PipelineAsync.create(
+            barrier_storage=storage.mbar_combine.data_ptr(), num_stages=1,
+            producer_group=wg_group, consumer_group=wg_group, defer_sync=True,
+        )
         if const_expr(self.tma_kv):
             if warp_idx == 0:
                 cpasync.prefetch_descriptor(tma_atom_k)
@@ -285,7 +294,7 @@ class PodAttentionSm90:
                 staging_tile(storage.staging1.data_ptr(), self.dtype, WG_ROWS, self.head_dim,
                              staging_row),
                 mParams, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV,
-                pipeline_q, pipeline_k, pipeline_v, mCtaPtr,
+                pipeline_q, pipeline_k, pipeline_v, pipeline_combine, mCtaPtr,
             )
             cute.arch.barrier_arrive(barrier_id=NamedBarrier.CTA_END,
                                      number_of_threads=self.cfg.num_threads)
@@ -527,6 +536,7 @@ class PodAttentionSm90:
         pipeline_q: pipeline.PipelineAsync,
         pipeline_k: pipeline.PipelineAsync,
         pipeline_v: pipeline.PipelineAsync,
+        pipeline_combine: pipeline.PipelineAsync,
         mCtaPtr: cute.Tensor,
     ):
         tile_n, d = self.tile_n, self.head_dim
@@ -607,7 +617,8 @@ class PodAttentionSm90:
             row_offset = wg * WG_ROWS * (1 - decode)
             if decode != 0:
                 # Fold warpgroup 1's softmax state and O into warpgroup 0's.
-                self.combine_decode(softmax, acc_O, sScratch, tidx, wg)
+                self.combine_decode(softmax, acc_O, sScratch, pipeline_combine,
+                                    item.decode_index, tidx, wg)
             # sm_scale is re-read (an L1 hit) rather than held through the mainloop.
             inv_sum, lse = softmax.finalize(mParams[Param.SM_SCALE])
             rescale_rows(acc_O, inv_sum)
@@ -779,35 +790,31 @@ class PodAttentionSm90:
 
     @cute.jit
     def combine_decode(self, softmax: OnlineSoftmax, acc_O: cute.Tensor, sScratch: cute.Tensor,
-                       tidx: Int32, wg: Int32):
+                       pipeline_combine: pipeline.PipelineAsync, num_decode: Int32, tidx: Int32,
+                       wg: Int32):
         """Warpgroup 1 hands its (row max, partial row sums, O) to warpgroup 0 through
         shared memory, thread t to thread t (same fragment positions); warpgroup 0 folds
-        them into its own. Both warpgroups sync on COMBINE_EMPTY first (warpgroup 0 is
-        done with the scratch, its earlier O staging included) and on COMBINE_FULL after
-        the hand-over: two full barriers, one instruction for both warpgroups, so
-        compute-sanitizer's racecheck sees the ordering (it does not credit a
-        bar.arrive / bar.sync pair, and waiting here costs nothing: warpgroup 0 needs
-        warpgroup 1's state anyway)."""
+        them into its own. The hand-over is the `num_decode`-th use of a one-stage
+        mbarrier pipeline (the item's ordinal among its CTA's decode items, from the plan:
+        a counter held in registers would spill): warpgroup 1 acquires the scratch, writes and commits; warpgroup
+        0 waits and reads, and releases it at its next hand-over, after every later use
+        of the scratch as its O staging tile."""
         n_o = cute.size(acc_O)
         n_r = cute.size(softmax.row_max)
-        # The barriers alone order the scratch accesses for the hardware; racecheck also
-        # wants them fenced (release before, acquire after each hand-over: it flags
-        # accesses next to a bare barrier). A few fences per decode item cost nothing.
-        cute.arch.fence_acq_rel_cta()
-        cute.arch.barrier(barrier_id=NamedBarrier.COMBINE_EMPTY,
-                          number_of_threads=self.num_mma_threads)
         if wg == 1:
-            cute.arch.fence_acq_rel_cta()
+            state = stage(num_decode, 1, producer=True)
+            pipeline_combine.producer_acquire(state)
             for j in cutlass.range_constexpr(n_o):
                 sScratch[j, tidx] = acc_O[j]
             for r in cutlass.range_constexpr(n_r):
                 sScratch[n_o + r, tidx] = softmax.row_max[r]
                 sScratch[n_o + n_r + r, tidx] = softmax.row_sum[r]
-            cute.arch.fence_acq_rel_cta()
-        cute.arch.barrier(barrier_id=NamedBarrier.COMBINE_FULL,
-                          number_of_threads=self.num_mma_threads)
-        if wg == 0:
-            cute.arch.fence_acq_rel_cta()
+            pipeline_combine.producer_commit(state)
+        else:
+            # Done with the previous hand-over (and every O staging since): release it now.
+            if num_decode > 0:
+                pipeline_combine.consumer_release(stage(num_decode - 1, 1))
+            pipeline_combine.consumer_wait(stage(num_decode, 1))
             other_O = cute.make_rmem_tensor_like(acc_O, Float32)
             other_max = cute.make_rmem_tensor_like(softmax.row_max, Float32)
             other_sum = cute.make_rmem_tensor_like(softmax.row_sum, Float32)

@@ -6,7 +6,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
-from podcute.kernels.metadata import Kind, WorkCol
+from podcute.kernels.metadata import KIND_BITS, KIND_MASK, Kind, WorkCol
 from podcute.kernels.visibility import tile_bounds
 
 
@@ -22,6 +22,7 @@ class WorkItem:
     kv_end: Int32
     split_slot: Int32  # -1: write out/lse; >= 0: write fp32 partials for the merge
     is_decode: cutlass.Boolean  # Kind.DECODE: the MMA warpgroups split the KV tiles
+    decode_index: Int32  # a decode item's ordinal among its CTA's decode items
     q_start: Int32
     q_len: Int32
     kv_len: Int32
@@ -32,6 +33,7 @@ class WorkItem:
              mPageStart: cute.Tensor, idx: Int32) -> "WorkItem":
         req = mWork[idx, WorkCol.REQ]
         q_start = mQStart[req]
+        kind = mWork[idx, WorkCol.KIND]
         return WorkItem(
             req=req,
             kv_head=mWork[idx, WorkCol.KV_HEAD],
@@ -40,7 +42,8 @@ class WorkItem:
             kv_start=mWork[idx, WorkCol.KV_START],
             kv_end=mWork[idx, WorkCol.KV_END],
             split_slot=mWork[idx, WorkCol.SPLIT_SLOT],
-            is_decode=mWork[idx, WorkCol.KIND] == Int32(Kind.DECODE),
+            is_decode=(kind & KIND_MASK) == Int32(Kind.DECODE),
+            decode_index=kind >> KIND_BITS,
             q_start=q_start,
             q_len=mQStart[req + 1] - q_start,
             kv_len=mKvLen[req],
