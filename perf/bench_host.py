@@ -55,12 +55,11 @@ def _label(v) -> str:
 
 
 def _key(v):
-    import torch
-
     from podcute.compile import VariantKey
+    from podcute.kernels.config import KernelConfig
 
     dt, d, g, causal, lse = v
-    return VariantKey.make(getattr(torch, dt), d, g, causal, lse)
+    return VariantKey.make(KernelConfig.select(dt, d, g, causal, lse, page_size=16))
 
 
 def _lines(path: str) -> int:
@@ -218,6 +217,57 @@ def _sleep_covered(fn, calls):
                 queue_full=full_all, sleep_s=sleep_s)
 
 
+def one_shot_overhead(b, calls: int) -> dict:
+    """Host us per layer of the one-shot entry points after a step's first call (which
+    plans): `pod_attention` with CPU index tensors, and the FlashAttention-shaped call
+    with device index tensors as vLLM passes them. Each first call is timed too."""
+    import torch
+
+    import podcute
+    from perf.timing import host_time_per_call
+    from podcute.compat.flash_attn import flash_attn_varlen_func
+
+    q, k, v = b.q, b.k_cache, b.v_cache
+    out = torch.empty_like(q)
+    cpu = dict(cu_seqlens_q=b.cu_seqlens_q.cpu(), seqused_k=b.seqused_k.cpu(),
+               block_table=b.block_table.cpu())
+    dev = {name: t.cuda() for name, t in cpu.items()}
+    max_q = max(b.q_lens)
+    max_k = int(max(b.kv_lens))
+
+    def one_shot():
+        podcute.pod_attention(q, k, v, out=out, **cpu)
+
+    def fa_compat():
+        flash_attn_varlen_func(q, k, v, max_q, dev["cu_seqlens_q"], max_k,
+                               seqused_k=dev["seqused_k"], block_table=dev["block_table"],
+                               causal=True, out=out)
+
+    res = {}
+    for name, fn, args in (("pod_attention_cpu_metadata", one_shot, cpu),
+                           ("flash_attn_varlen_func_device_metadata", fa_compat, dev)):
+        podcute.invalidate_plans()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()  # the step's first call: plans
+        first_us = (time.perf_counter() - t0) * 1e6
+        torch.cuda.synchronize()
+        for _ in range(20):
+            fn()
+        res[name] = dict(first_call_us=first_us, plain=host_time_per_call(fn, calls),
+                         sleep_covered=_sleep_covered(fn, calls))
+        # A changed length must re-plan (never a stale plan): shorten in place, call,
+        # restore (a longer request could need a page the block table lacks).
+        args["seqused_k"].sub_(1)
+        t0 = time.perf_counter()
+        fn()
+        res[name]["after_change_us"] = (time.perf_counter() - t0) * 1e6
+        args["seqused_k"].add_(1)
+        log(f"    {name}: {res[name]}")
+    torch.cuda.synchronize()
+    return res
+
+
 def host_overhead(calls: int) -> dict:
     import torch
 
@@ -240,6 +290,7 @@ def host_overhead(calls: int) -> dict:
 
         r = dict(batch=f"{n} decode(s) at kv {kv}, Hq/Hkv/D 32/8/128, page 16, bf16",
                  plan=str(summary), num_merge=attn.current_plan.num_merge)
+        r["one_shot"] = one_shot_overhead(b, calls)
         for _ in range(20):
             eager()
         torch.cuda.synchronize()
@@ -344,6 +395,17 @@ def markdown(rep: dict) -> str:
                          f"{sc['us_median_chunk']:.1f}{'' if sc['queue_full'] else ' (queue drained)'}"
                          f" | {pl['issue_us']:.1f} | {pl['wall_us']:.1f} | "
                          f"{m['gpu_ms']:.4f} | {eq} |")
+        L.append("")
+        L += ["One-shot entry points per layer (plan reused after the step's first call; "
+              "us): first call (plans), then per call behind sleep / issue, and a call "
+              "right after an in-place length change (re-plans).", "",
+              "| batch | entry point | first call | behind sleep | issue | after a change |",
+              "|---|---|---|---|---|---|"]
+        for name, r in h.items():
+            for entry, m in (r.get("one_shot") or {}).items():
+                L.append(f"| {name} | {entry} | {m['first_call_us']:.0f} | "
+                         f"{m['sleep_covered']['us_median_chunk']:.1f} | "
+                         f"{m['plain']['issue_us']:.1f} | {m['after_change_us']:.0f} |")
         L.append("")
     return "\n".join(L)
 

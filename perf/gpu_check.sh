@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One call on the H200 (from the repo root, GPU bundle in .device/, see ../shared/device):
 #
-#   bash perf/gpu_check.sh STEP...      STEP: demo kernel graph memcheck racecheck
-#                                             synccheck quick-bench bench ncu-W-PAGE
+#   bash perf/gpu_check.sh STEP...      STEP: demo kernel graph compat serving memcheck
+#                                             racecheck synccheck quick-bench bench host
+#                                             ncu-W-PAGE
 #                                             (ncu of workload W at page PAGE, e.g. ncu-F1-16)
 #                                             ncu-base-W-PAGE (the same for the source tree
 #                                             unpacked in .device/base, for before/after)
@@ -57,6 +58,11 @@ for s in "$@"; do
         python -m pytest -q -x -m gpu tests/test_kernel_gpu.py ;;
     graph) step graph 300 env PODCUTE_GPU_REPORT="$OUT/graph_report.json" \
         python -m pytest -q -x -m gpu tests/test_graph_gpu.py ;;
+    compat) step compat 300 python -m pytest -q -m gpu tests/test_compat_flash_attn_gpu.py \
+        tests/test_compat_flashinfer_gpu.py ;;
+    serving) step serving 300 env PODCUTE_GPU_REPORT="$OUT/serving_report.json" \
+        python -m pytest -q -s -m gpu tests/test_serving_gpu.py ;;
+    host) step host 300 python -m perf.bench_host --out "$OUT/host" ;;
     memcheck) step memcheck 300 compute-sanitizer --tool memcheck --error-exitcode 3 \
         python tests/gpu_sanitize.py ;;
     racecheck) step racecheck 400 compute-sanitizer --tool racecheck --error-exitcode 3 \

@@ -3,7 +3,8 @@
 from podcute.api import PODAttention, pod_attention
 from podcute.plan import CapacityError, PlanSummary
 from podcute.reference import pod_attention_reference
+from podcute.reuse import invalidate_plans
 
 __all__ = ["PODAttention", "pod_attention", "pod_attention_reference", "PlanSummary",
-           "CapacityError"]
+           "CapacityError", "invalidate_plans"]
 __version__ = "0.1.0"

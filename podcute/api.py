@@ -17,6 +17,7 @@ from podcute.compile import unsupported_arch_message
 from podcute.kernels.config import SUPPORTED_HEAD_DIMS, SUPPORTED_PAGE_SIZES
 from podcute.launch import launch, require_sm90
 from podcute.plan import CapacityError, Plan, Planner, PlanSummary
+from podcute.reuse import CallPlanner
 
 __all__ = ["PODAttention", "pod_attention", "PlanSummary", "CapacityError", "KV_LAYOUTS"]
 
@@ -91,22 +92,35 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
     return t.data_ptr(), t.data_ptr() + span * t.element_size()
 
 
-def _check_out_memory(out: torch.Tensor, named) -> None:
-    """`out` must not write where the kernel reads (q, the caches) and no two of its
-    elements may share memory (zero or overlapping strides)."""
-    for n, s in zip(out.shape, out.stride()):
+def _check_dense(name: str, t) -> None:
+    """A tensor argument: a torch.Tensor with a strided (dense) layout."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
+
+
+def _check_distinct(t: torch.Tensor, name: str) -> None:
+    """No two elements of an output may share memory (zero or overlapping strides)."""
+    for n, s in zip(t.shape, t.stride()):
         if n > 1 and s == 0:
-            raise ValueError(f"out must not have zero strides (an expanded view), got strides "
-                             f"{tuple(out.stride())}")
+            raise ValueError(f"{name} must not have zero strides (an expanded view), got "
+                             f"strides {tuple(t.stride())}")
     # Elements are distinct when, with dims ordered by stride, each stride exceeds the span
     # of all smaller dims (sufficient, and true of every dense or sliced tensor).
     span = 0
-    dims = sorted(((s, n) for n, s in zip(out.shape, out.stride()) if n > 1))
+    dims = sorted(((s, n) for n, s in zip(t.shape, t.stride()) if n > 1))
     for s, n in dims:
         if s <= span:
-            raise ValueError(f"out's elements overlap each other (shape {tuple(out.shape)}, "
-                             f"strides {tuple(out.stride())}); pass a non-overlapping buffer")
+            raise ValueError(f"{name}'s elements overlap each other (shape {tuple(t.shape)}, "
+                             f"strides {tuple(t.stride())}); pass a non-overlapping buffer")
         span += (n - 1) * s
+
+
+def _check_out_memory(out: torch.Tensor, named) -> None:
+    """`out` must not write where the kernel reads (q, the caches) and no two of its
+    elements may share memory (zero or overlapping strides)."""
+    _check_distinct(out, "out")
     name = _overlapped(out, named)
     if name is not None:
         raise ValueError(f"out overlaps {name} in memory; the kernel reads {name} while it "
@@ -209,6 +223,50 @@ class PODAttention:
         FlashInfer's `last_page_len` (with CSR pages); pages from `block_table` int32
         [B, max_pages] or CSR `kv_indptr` [B+1] + `kv_indices`. Index tensors may live on
         the CPU (no GPU sync) or on the device (one device->host copy)."""
+        # One pass over what a serving loop passes (int32 CPU tensors of the right ranks and
+        # lengths); anything else takes the detailed checks, which name the argument.
+        if not self._plan_common_case(cu_seqlens_q, kv_lens, block_table, kv_indptr,
+                                      kv_indices, last_page_len, causal, sm_scale):
+            self._validate_plan(cu_seqlens_q, kv_lens, block_table, kv_indptr, kv_indices,
+                                last_page_len, causal, sm_scale, _kv_name)
+        # A failed plan() leaves no stale plan behind. The old plan is released only once
+        # the new one is built: freed first, its memory (the top of the heap, on a large
+        # batch) goes back to the OS and the new plan's arrays fault their pages in again.
+        old, self._plan = self._plan, None
+        self._plan = self.planner.plan(cu_seqlens_q, kv_lens, block_table=block_table,
+                                       kv_indptr=kv_indptr, kv_indices=kv_indices,
+                                       last_page_len=last_page_len, causal=causal,
+                                       sm_scale=sm_scale, _kv_name=_kv_name)
+        del old
+        self._page_arg = "block_table" if block_table is not None else "kv_indices"
+        return self._plan.summary
+
+    @staticmethod
+    def _plan_common_case(cu_seqlens_q, kv_lens, block_table, kv_indptr, kv_indices,
+                          last_page_len, causal, sm_scale) -> bool:
+        """True if the plan() arguments pass _validate_plan: int32 dense CPU tensors of the
+        right ranks and lengths (block table rows contiguous), kv_lens (not
+        last_page_len), one page format, a bool causal, sm_scale None or a float."""
+        def ok(t, ndim, length=None):
+            return (type(t) is torch.Tensor and t.dtype is torch.int32 and t.is_cpu
+                    and t.layout is torch.strided and t.dim() == ndim
+                    and (length is None or t.shape[0] == length)
+                    and (ndim == 1 or t.shape[1] <= 1 or t.stride(1) == 1))
+
+        if not ok(cu_seqlens_q, 1) or last_page_len is not None:
+            return False
+        B = cu_seqlens_q.shape[0] - 1
+        if block_table is not None:
+            pages = ok(block_table, 2, B) and kv_indptr is None and kv_indices is None
+        else:
+            pages = ok(kv_indptr, 1, B + 1) and ok(kv_indices, 1)
+        return (pages and B >= 0 and ok(kv_lens, 1, B) and (causal is True or causal is False)
+                and (sm_scale is None or type(sm_scale) is float))
+
+    def _validate_plan(self, cu_seqlens_q, kv_lens, block_table, kv_indptr, kv_indices,
+                       last_page_len, causal, sm_scale, _kv_name) -> None:
+        """Every plan() argument check, each raising a TypeError/ValueError that names the
+        argument (the values are the planner's to check)."""
         dev = self.device
         _check_index("cu_seqlens_q", cu_seqlens_q, dev, 1)
         B = cu_seqlens_q.shape[0] - 1
@@ -235,13 +293,6 @@ class PODAttention:
             if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
                 raise TypeError(f"sm_scale must be a float or None, got {type(sm_scale).__name__}")
             # Its value (a positive float32, the kernel's type) is checked by the planner.
-        self._plan = None  # a failed plan() leaves no stale plan behind
-        self._plan = self.planner.plan(cu_seqlens_q, kv_lens, block_table=block_table,
-                                       kv_indptr=kv_indptr, kv_indices=kv_indices,
-                                       last_page_len=last_page_len, causal=causal,
-                                       sm_scale=sm_scale, _kv_name=_kv_name)
-        self._page_arg = "kv_indices" if csr else "block_table"
-        return self._plan.summary
 
     def _common_case(self, plan: Plan, q, k_cache, v_cache, out) -> bool:
         """True if the run() arguments are valid: right types, dtypes, device, shapes,
@@ -278,10 +329,7 @@ class PODAttention:
         argument and what was expected."""
         Hq, Hkv, D, ps = self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size
         for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            if t.layout != torch.strided:
-                raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
+            _check_dense(name, t)
         if q.dtype != self.dtype:
             raise TypeError(f"q must be {self.dtype} (this PODAttention's dtype), got {q.dtype}")
         if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
@@ -318,10 +366,7 @@ class PODAttention:
         # Security boundary: no request may read outside the pool (O(1) in the usual case).
         plan.check_pages(k_cache.shape[0], self._page_arg)
         if out is not None:
-            if not isinstance(out, torch.Tensor):
-                raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
-            if out.layout != torch.strided:
-                raise TypeError(f"out must be a dense (strided) tensor, got layout {out.layout}")
+            _check_dense("out", out)
             if out.dtype != q.dtype:
                 raise TypeError(f"out must have q's dtype {q.dtype}, got {out.dtype}")
             if tuple(out.shape) != tuple(q.shape):
@@ -336,14 +381,17 @@ class PODAttention:
             _check_out_memory(out, (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)))
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            out: torch.Tensor | None = None, return_lse: bool = False):
+            out: torch.Tensor | None = None, return_lse: bool = False,
+            lse: torch.Tensor | None = None):
         """Attention of the planned batch. q [T, Hq, D] with T >= cu_seqlens_q[-1] (rows
         past it are padding: never read, never written); caches [num_pages, page_size,
         Hkv, D] (NHD) or [num_pages, Hkv, page_size, D] (HND), any strides with a
         contiguous last dim. Returns out [T, Hq, D] (q's dtype; `out` if given, which must
         not overlap q or the caches), and with return_lse also lse [T, Hq] float32
-        (natural log). CUDA-graph capturable: the first captured call fixes the planner's
-        buffers (README, CUDA graphs)."""
+        (natural log; `lse` if given: any strides, e.g. the transpose of an [Hq, T]
+        buffer, not overlapping the other tensors; giving it implies return_lse).
+        CUDA-graph capturable: the first captured call fixes the planner's buffers
+        (README, CUDA graphs)."""
         plan = self._plan
         if plan is None:
             raise RuntimeError("PODAttention.run() called before plan(): plan the batch first")
@@ -351,30 +399,72 @@ class PODAttention:
         # error) takes the detailed checks below, which name the argument at fault.
         if not self._common_case(plan, q, k_cache, v_cache, out):
             self._validate_run(plan, q, k_cache, v_cache, out)
+        if lse is not None:
+            self._check_lse(lse, q, k_cache, v_cache, out)
+            return_lse = True
         # Only now the device: never fall back to the reference silently.
         require_sm90(q.device)
         if not self.planner.frozen and torch.cuda.is_current_stream_capturing():
             self.planner.freeze()  # the graph holds the buffers' addresses from now on
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        lse = (torch.empty(q.shape[0], self.num_qo_heads, dtype=torch.float32,
-                           device=q.device) if return_lse else None)
+        if return_lse and lse is None:
+            lse = torch.empty(q.shape[0], self.num_qo_heads, dtype=torch.float32,
+                              device=q.device)
         launch(plan, q, k_cache, v_cache, out, lse, kv_layout=self.kv_layout)
         return (out, lse) if return_lse else out
+
+    def _check_lse(self, lse, q, k_cache, v_cache, out) -> None:
+        """A caller-given lse: float32 [q.shape[0], Hq] on q's device, distinct elements,
+        not overlapping what the kernel reads or writes."""
+        _check_dense("lse", lse)
+        if lse.dtype != torch.float32:
+            raise TypeError(f"lse must be float32, got {lse.dtype}")
+        want = (q.shape[0], self.num_qo_heads)
+        if tuple(lse.shape) != want:
+            raise ValueError(f"lse must be [total_q, num_qo_heads] = {want}, got "
+                             f"{tuple(lse.shape)}")
+        if not _same_device(lse.device, q.device):
+            raise ValueError(f"lse is on {lse.device}, q on {q.device}")
+        if lse.data_ptr() % 4:
+            raise ValueError(f"lse must be 4-byte aligned, got data pointer {lse.data_ptr():#x}")
+        named = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
+        if out is not None:
+            named.append(("out", out))
+        _check_distinct(lse, "lse")
+        name = _overlapped(lse, named)
+        if name is not None:
+            raise ValueError(f"lse overlaps {name} in memory; pass a separate buffer")
 
 
 # --------------------------------------------------------------------------------------
 # One-shot
 # --------------------------------------------------------------------------------------
 
-_CACHE: dict = {}
+# Configuration -> (PODAttention, CallPlanner): the one-shot entry points (pod_attention,
+# podcute.compat) share one planner per head/page configuration and device.
+_ONE_SHOT: dict = {}
+
+
+def one_shot_attention(num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+                       dtype: torch.dtype, kv_layout: str, device) -> tuple:
+    """The (PODAttention, CallPlanner) the one-shot entry points use for a configuration:
+    its plan is reused while a call's metadata stays the same (podcute.reuse)."""
+    key = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype, kv_layout, device)
+    hit = _ONE_SHOT.get(key)
+    if hit is None:
+        att = PODAttention(num_qo_heads, num_kv_heads, head_dim, page_size, dtype=dtype,
+                           kv_layout=kv_layout, device=device)
+        hit = _ONE_SHOT[key] = (att, CallPlanner(att))
+    return hit
 
 
 def pod_attention(q, k_cache, v_cache, *, cu_seqlens_q, seqused_k, block_table, causal=True,
                   sm_scale=None, kv_layout="NHD", return_lse=False, out=None):
-    """One call: plan + run (FlashAttention-style arguments). Plans every call, so
-    prefer PODAttention when the batch is reused across layers; pass the index tensors
-    on the CPU to keep plan() free of GPU syncs."""
+    """One call: plan + run (FlashAttention-style arguments). The plan is reused by the
+    next calls while their index tensors are the same and unchanged (``podcute.reuse``:
+    per layer of a step only the first call plans); pass the index tensors on the CPU to
+    keep that plan() free of GPU syncs."""
     _check_layout(kv_layout)
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, torch.Tensor):
@@ -402,11 +492,8 @@ def pod_attention(q, k_cache, v_cache, *, cu_seqlens_q, seqused_k, block_table, 
     if ps not in SUPPORTED_PAGE_SIZES:
         raise ValueError(f"page_size (k_cache.shape[{1 if kv_layout == 'NHD' else 2}]) must be "
                          f"one of {SUPPORTED_PAGE_SIZES}, got {ps}")
-    key = (Hq, Hkv, D, ps, q.dtype, kv_layout, q.device)
-    att = _CACHE.get(key)
-    if att is None:
-        att = _CACHE[key] = PODAttention(Hq, Hkv, D, ps, dtype=q.dtype, kv_layout=kv_layout,
-                                         device=q.device)
-    att.plan(cu_seqlens_q, seqused_k, block_table=block_table, causal=causal,
-             sm_scale=sm_scale, _kv_name="seqused_k")
+    att, planner = one_shot_attention(Hq, Hkv, D, ps, q.dtype, kv_layout, q.device)
+    planner.plan((cu_seqlens_q, seqused_k, block_table), (causal, sm_scale),
+                 lambda: att.plan(cu_seqlens_q, seqused_k, block_table=block_table,
+                                  causal=causal, sm_scale=sm_scale, _kv_name="seqused_k"))
     return att.run(q, k_cache, v_cache, out=out, return_lse=return_lse)

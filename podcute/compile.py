@@ -111,7 +111,9 @@ def _fake_args(key: VariantKey):
         return make_fake_tensor(cutlass.Int32, (sym(),), (1,), assumed_align=4)
 
     rows = cfg.partial_rows
-    lse = (make_fake_tensor(cutlass.Float32, (sym(), sym()), (sym(), 1), assumed_align=4)
+    # lse [T, Hq] with any strides: a caller's buffer may be the transpose of [Hq, T]
+    # (FlashAttention's varlen convention).
+    lse = (make_fake_tensor(cutlass.Float32, (sym(), sym()), (sym(), sym()), assumed_align=4)
            if cfg.has_lse else None)
     work = make_fake_tensor(cutlass.Int32, (sym(), WORK_COLS), (WORK_COLS, 1), assumed_align=16)
     partial_o = make_fake_tensor(cutlass.Float32, (sym(), rows, d), (rows * d, d, 1),

@@ -1,0 +1,250 @@
+"""``flash_attn_varlen_func`` with FlashAttention's varlen signature, served by podcute.
+
+The positional order after ``q, k, v`` is vLLM's fork's (``max_seqlen_q, cu_seqlens_q,
+max_seqlen_k, cu_seqlens_k, seqused_k, ...``), which is how vLLM's FlashAttention backend
+calls it; a call in upstream FlashAttention 2/3/4's order (``cu_seqlens_q, cu_seqlens_k,
+max_seqlen_q, max_seqlen_k``: a tensor where vLLM has an int) is recognised by the type
+of the fourth argument. Every argument name of those versions is accepted
+(``block_table`` or ``page_table``, ``return_softmax_lse`` or ``return_lse``).
+
+Two KV forms, as in FlashAttention:
+
+- paged: ``block_table`` [B, max_blocks] int32 with ``k``/``v`` caches
+  [num_blocks, block_size, Hkv, D] and the KV lengths in ``seqused_k`` (or, upstream
+  style, ``cu_seqlens_k``);
+- contiguous varlen: ``k``/``v`` [total_k, Hkv, D] with ``cu_seqlens_k``; served as pages
+  of one token (the kernel's gathered-page class).
+
+Returns ``out`` [total_q, Hq, D], or ``(out, softmax_lse)`` with ``softmax_lse``
+[Hq, total_q] float32 (natural log; FlashAttention's varlen layout; rows of padding
+tokens past ``cu_seqlens_q[-1]`` are left unwritten, as FlashAttention leaves them).
+
+Plans are reused across the layers of a step (``podcute.reuse``): the first call with a
+step's metadata plans (one device-to-host copy if the index tensors are on the GPU), the
+next calls with the same, unchanged tensors only launch.
+
+Arguments that change results and that podcute does not implement raise
+``NotImplementedError`` naming them: ``dropout_p > 0``, ``window_size`` other than
+unbounded, ``softcap > 0``, ``alibi_slopes``, ``return_attn_probs``, ``q_v``, fp8
+descale factors, ``s_aux`` (attention sinks), ``seqused_q``, context parallelism.
+Arguments that only tune speed (``num_splits``, ``scheduler_metadata``, ``pack_gqa``,
+``deterministic``, ``fa_version``, ``sm_margin``) are accepted and do not change the
+result: podcute's planner chooses its own splits, and its forward pass is deterministic
+for a given batch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from podcute.api import one_shot_attention
+from podcute.kernels.config import SUPPORTED_HEAD_DIMS, SUPPORTED_PAGE_SIZES
+
+__all__ = ["flash_attn_varlen_func", "flash_attn_varlen_plan"]
+
+_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _unsupported(name: str, value, why: str) -> None:
+    raise NotImplementedError(f"flash_attn_varlen_func: {name}={value!r} is not supported by "
+                              f"podcute ({why})")
+
+
+def _check_semantics(dropout_p, window_size, softcap, alibi_slopes, return_attn_probs, q_v,
+                     q_descale, k_descale, v_descale, s_aux, seqused_q, cp_world_size,
+                     cp_rank, cp_tot_seqused_k) -> None:
+    """Refuse every argument that would change the result and that podcute lacks."""
+    if dropout_p:
+        _unsupported("dropout_p", dropout_p, "inference attention: dropout must be 0")
+    if window_size is not None:
+        left, right = tuple(window_size)
+        if not (left in (-1, None) and right in (-1, None)):
+            _unsupported("window_size", window_size, "no sliding window yet: pass (-1, -1)")
+    if softcap:
+        _unsupported("softcap", softcap, "no logit soft-capping yet: pass 0")
+    for name, value, why in (
+            ("alibi_slopes", alibi_slopes, "no ALiBi"),
+            ("q_v", q_v, "no separate value-query (MLA) input"),
+            ("q_descale", q_descale, "fp8 inputs are not supported yet"),
+            ("k_descale", k_descale, "fp8 inputs are not supported yet"),
+            ("v_descale", v_descale, "fp8 inputs are not supported yet"),
+            ("s_aux", s_aux, "no attention sinks yet"),
+            ("seqused_q", seqused_q, "query lengths come from cu_seqlens_q"),
+            ("cp_tot_seqused_k", cp_tot_seqused_k, "no context parallelism")):
+        if value is not None:
+            _unsupported(name, "<tensor>" if isinstance(value, torch.Tensor) else value, why)
+    if return_attn_probs:
+        _unsupported("return_attn_probs", return_attn_probs, "attention probabilities are "
+                     "never materialised; use return_softmax_lse")
+    if cp_world_size != 1 or cp_rank != 0:
+        _unsupported("cp_world_size", cp_world_size, "no context parallelism")
+
+
+def _check_tensor(name: str, t, ndim: int) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"flash_attn_varlen_func: {name} must be a torch.Tensor, got "
+                        f"{type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"flash_attn_varlen_func: {name} must be {ndim}-D, got shape "
+                         f"{tuple(t.shape)}")
+
+
+def _check_indptr(cu_seqlens_k) -> None:
+    if not isinstance(cu_seqlens_k, torch.Tensor) or cu_seqlens_k.dim() != 1:
+        raise TypeError("flash_attn_varlen_func: cu_seqlens_k must be a 1-D int32 tensor")
+    if cu_seqlens_k.dtype != torch.int32:
+        raise TypeError(f"flash_attn_varlen_func: cu_seqlens_k must be int32, got "
+                        f"{cu_seqlens_k.dtype}")
+
+
+_ARANGE: dict = {}
+
+
+def _token_pages(num_tokens: int) -> np.ndarray:
+    """0 .. num_tokens-1 as int32 (the page list of contiguous K/V seen as 1-token pages),
+    kept per size: a host array, so plan() copies nothing back from the device."""
+    hit = _ARANGE.get(num_tokens)
+    if hit is None:
+        hit = _ARANGE[num_tokens] = np.arange(num_tokens, dtype=np.int32)
+    return hit
+
+
+def flash_attn_varlen_func(q, k, v, max_seqlen_q=None, cu_seqlens_q=None, max_seqlen_k=None,
+                           cu_seqlens_k=None, seqused_k=None, q_v=None, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=None, softcap=0.0,
+                           alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                           block_table=None, return_softmax_lse=False, out=None,
+                           scheduler_metadata=None, q_descale=None, k_descale=None,
+                           v_descale=None, num_splits=0, fa_version=2, s_aux=None,
+                           cp_world_size=1, cp_rank=0, cp_tot_seqused_k=None, *,
+                           page_table=None, seqused_q=None, return_lse=None, pack_gqa=None,
+                           sm_margin=0):
+    """Varlen attention over a paged (or contiguous) KV cache (module docstring)."""
+    call = _Call.of(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k,
+                    seqused_k, q_v, dropout_p, softmax_scale, causal, window_size, softcap,
+                    alibi_slopes, return_attn_probs, block_table, q_descale, k_descale,
+                    v_descale, s_aux, cp_world_size, cp_rank, cp_tot_seqused_k, page_table,
+                    seqused_q)
+    if return_lse is not None:
+        return_softmax_lse = bool(return_lse)
+    att = call.plan()
+    if not return_softmax_lse:
+        return att.run(q, call.k_cache, call.v_cache, out=out)
+    lse = torch.empty(att.num_qo_heads, q.shape[0], dtype=torch.float32, device=q.device)
+    out, _ = att.run(q, call.k_cache, call.v_cache, out=out, lse=lse.t())
+    return out, lse
+
+
+def flash_attn_varlen_plan(q, k, v, max_seqlen_q=None, cu_seqlens_q=None, max_seqlen_k=None,
+                           cu_seqlens_k=None, seqused_k=None, softmax_scale=None, causal=False,
+                           block_table=None, *, page_table=None, **unused) -> None:
+    """Plan the batch of a coming `flash_attn_varlen_func` call without launching it:
+    what an engine calls once per step before replaying a CUDA graph that captured the
+    step's calls (the replayed launches read the plan of the latest call or this one;
+    the captured calls themselves plan nothing while their metadata is unchanged). Takes
+    the same arguments; `q`, `k`, `v` give shapes, dtype and device only."""
+    _Call.of(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k, seqused_k,
+             None, 0.0, softmax_scale, causal, None, 0.0, None, False, block_table, None,
+             None, None, None, 1, 0, None, page_table, None).plan()
+
+
+class _Call:
+    """One call's arguments mapped onto podcute: the caches as the kernel reads them, the
+    one-shot PODAttention of the configuration, and how to plan the batch."""
+
+    def __init__(self, att, planner, k_cache, v_cache, index_args, scalars, plan_fn):
+        self.att, self.planner = att, planner
+        self.k_cache, self.v_cache = k_cache, v_cache
+        self._index_args, self._scalars, self._plan_fn = index_args, scalars, plan_fn
+
+    def plan(self):
+        """Plan (or reuse the plan of the same metadata: podcute.reuse); the attention."""
+        self.planner.plan(self._index_args, self._scalars, self._plan_fn)
+        return self.att
+
+    @staticmethod
+    def of(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k, seqused_k, q_v,
+           dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+           return_attn_probs, block_table, q_descale, k_descale, v_descale, s_aux,
+           cp_world_size, cp_rank, cp_tot_seqused_k, page_table, seqused_q) -> "_Call":
+        if isinstance(max_seqlen_q, torch.Tensor):
+            # Upstream order: (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k).
+            (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) = (
+                max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k)
+        if page_table is not None:
+            if block_table is not None:
+                raise ValueError("flash_attn_varlen_func: pass block_table or page_table, "
+                                 "not both")
+            block_table = page_table
+        _check_semantics(dropout_p, window_size, softcap, alibi_slopes, return_attn_probs,
+                         q_v, q_descale, k_descale, v_descale, s_aux, seqused_q,
+                         cp_world_size, cp_rank, cp_tot_seqused_k)
+        for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+            if m is not None and (isinstance(m, bool) or not isinstance(m, (int, np.integer))
+                                  or m < 0):
+                raise TypeError(f"flash_attn_varlen_func: {name} must be a non-negative int, got "
+                                f"{m!r}")
+        if cu_seqlens_q is None:
+            raise ValueError("flash_attn_varlen_func: cu_seqlens_q is required")
+        _check_tensor("q", q, 3)
+        if q.dtype not in _DTYPES:
+            raise TypeError(f"flash_attn_varlen_func: q must be torch.bfloat16 or torch.float16, "
+                            f"got {q.dtype}")
+        if not isinstance(causal, bool):
+            raise TypeError(f"flash_attn_varlen_func: causal must be a bool, got "
+                            f"{type(causal).__name__}")
+
+        if block_table is not None:
+            # Paged: caches [num_blocks, block_size, Hkv, D], lengths in seqused_k (vLLM) or
+            # cu_seqlens_k (upstream FlashAttention 2).
+            _check_tensor("k", k, 4)
+            _check_tensor("v", v, 4)
+            if (seqused_k is None) == (cu_seqlens_k is None):
+                raise ValueError("flash_attn_varlen_func: with block_table pass exactly one of "
+                                 "seqused_k or cu_seqlens_k (the KV lengths)")
+            k_cache, v_cache = k, v
+            page_size = k.shape[1]
+            if seqused_k is None:
+                _check_indptr(cu_seqlens_k)
+            pages = dict(block_table=block_table)
+            index_args = (cu_seqlens_q, seqused_k, cu_seqlens_k, block_table)
+        else:
+            # Contiguous varlen K/V [total_k, Hkv, D]: pages of one token, CSR indices 0..n-1.
+            _check_tensor("k", k, 3)
+            _check_tensor("v", v, 3)
+            if cu_seqlens_k is None or seqused_k is not None:
+                raise ValueError("flash_attn_varlen_func: without block_table pass cu_seqlens_k "
+                                 "(contiguous K/V) and no seqused_k")
+            _check_indptr(cu_seqlens_k)
+            k_cache, v_cache = k.unsqueeze(1), v.unsqueeze(1)
+            page_size = 1
+            pages = dict(kv_indptr=cu_seqlens_k, kv_indices=_token_pages(k.shape[0]))
+            index_args = (cu_seqlens_q, cu_seqlens_k)
+
+        Hq, D = q.shape[1], q.shape[2]
+        Hkv = k_cache.shape[2]
+        if D not in SUPPORTED_HEAD_DIMS:
+            raise ValueError(f"flash_attn_varlen_func: head_dim (q.shape[-1]) must be one of "
+                             f"{SUPPORTED_HEAD_DIMS}, got {D}")
+        if page_size not in SUPPORTED_PAGE_SIZES:
+            raise ValueError(f"flash_attn_varlen_func: block_size (k.shape[1]) must be one of "
+                             f"{SUPPORTED_PAGE_SIZES}, got {page_size}")
+        if Hkv < 1 or Hq % Hkv:
+            raise ValueError(f"flash_attn_varlen_func: q's {Hq} heads must be a multiple of k's "
+                             f"{Hkv} KV heads")
+        if k_cache.shape[-1] != D:
+            raise ValueError(f"flash_attn_varlen_func: k head_dim {k_cache.shape[-1]} differs from "
+                             f"q's {D}")
+
+        att, planner = one_shot_attention(Hq, Hkv, D, page_size, q.dtype, "NHD", q.device)
+
+        def plan():
+            # KV lengths from seqused_k, else from cu_seqlens_k (a device op when it lives
+            # there: done only when a call plans, and read back in plan()'s one copy).
+            kv_lens = seqused_k if seqused_k is not None else cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+            att.plan(cu_seqlens_q, kv_lens, causal=causal, sm_scale=softmax_scale,
+                     _kv_name="seqused_k", **pages)
+
+        return _Call(att, planner, k_cache, v_cache, index_args,
+                     (causal, softmax_scale, page_size, block_table is None), plan)

@@ -1,0 +1,224 @@
+"""podcute.compat.flash_attn and plan reuse (podcute.reuse) on a CPU machine: arguments
+map onto the right plan, unsupported ones raise naming themselves, and a plan is reused
+exactly while the metadata tensors are the same and unchanged (never after a change)."""
+
+import numpy as np
+import pytest
+import torch
+
+import podcute
+from podcute import api
+from podcute.compat.flash_attn import flash_attn_varlen_func
+from podcute.reuse import CallPlanner, fingerprint
+
+HAS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+pytestmark = pytest.mark.skipif(HAS_HOPPER, reason="CPU-planning paths (run() raises here)")
+
+HQ, HKV, D, PS = 8, 2, 128, 16
+I32 = dict(dtype=torch.int32)
+
+
+def batch():
+    """Prefill (q 20 / kv 40) + decode (q 1 / kv 17) over a paged cache of 8 pages."""
+    return dict(
+        q=torch.randn(21, HQ, D, dtype=torch.bfloat16),
+        k=torch.randn(8, PS, HKV, D, dtype=torch.bfloat16),
+        v=torch.randn(8, PS, HKV, D, dtype=torch.bfloat16),
+        cu=torch.tensor([0, 20, 21], **I32),
+        kvl=torch.tensor([40, 17], **I32),
+        bt=torch.tensor([[0, 1, 2], [3, 4, 7]], **I32),
+    )
+
+
+def one_shot(page_size=PS):
+    return api.one_shot_attention(HQ, HKV, D, page_size, torch.bfloat16, "NHD",
+                                  torch.device("cpu"))
+
+
+def call(fn, *args, **kw):
+    """Run an entry point on this CPU machine: it plans, then refuses to launch."""
+    with pytest.raises(RuntimeError, match="Hopper"):
+        fn(*args, **kw)
+
+
+def vllm_call(b, **kw):
+    call(flash_attn_varlen_func, b["q"], b["k"], b["v"], 20, b["cu"], 40, seqused_k=b["kvl"],
+         block_table=b["bt"], causal=True, **kw)
+
+
+def work(att):
+    p = att.current_plan
+    return p.work.clone(), p.page_list.clone(), p.kv_len.clone(), p.q_start.clone()
+
+
+def test_paged_call_plans_like_podattention():
+    b = batch()
+    vllm_call(b)
+    att, _ = one_shot()
+    ref = podcute.PODAttention(HQ, HKV, D, PS, device="cpu")
+    ref.plan(b["cu"], b["kvl"], block_table=b["bt"], causal=True)
+    for x, y in zip(work(att), work(ref)):
+        assert torch.equal(x, y)
+
+
+def test_upstream_positional_order_and_page_table_alias():
+    b = batch()
+    # FlashAttention 2 upstream: (q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k), with
+    # the KV lengths in cu_seqlens_k when paged.
+    cu_k = torch.tensor([0, 40, 57], **I32)
+    call(flash_attn_varlen_func, b["q"], b["k"], b["v"], b["cu"], cu_k, 20, 40,
+         page_table=b["bt"], causal=True)
+    att, _ = one_shot()
+    assert att.current_plan.kv_len.tolist() == [40, 17]
+    with pytest.raises(ValueError, match="block_table or page_table"):
+        flash_attn_varlen_func(b["q"], b["k"], b["v"], 20, b["cu"], 40, seqused_k=b["kvl"],
+                               block_table=b["bt"], page_table=b["bt"])
+
+
+def test_contiguous_kv_is_pages_of_one_token():
+    q = torch.randn(21, HQ, D, dtype=torch.bfloat16)
+    k = torch.randn(57, HKV, D, dtype=torch.bfloat16)
+    cu_q = torch.tensor([0, 20, 21], **I32)
+    cu_k = torch.tensor([0, 40, 57], **I32)
+    call(flash_attn_varlen_func, q, k, k, 20, cu_q, 40, cu_k, causal=True)
+    att, _ = one_shot(page_size=1)
+    plan = att.current_plan
+    assert plan.kv_len.tolist() == [40, 17]
+    assert plan.page_list.tolist() == list(range(57))
+
+
+@pytest.mark.parametrize("kw,name", [
+    (dict(dropout_p=0.1), "dropout_p"),
+    (dict(window_size=(128, 0)), "window_size"),
+    (dict(softcap=30.0), "softcap"),
+    (dict(alibi_slopes=torch.ones(HQ)), "alibi_slopes"),
+    (dict(return_attn_probs=True), "return_attn_probs"),
+    (dict(q_v=torch.ones(1)), "q_v"),
+    (dict(q_descale=torch.ones(1)), "q_descale"),
+    (dict(k_descale=torch.ones(1)), "k_descale"),
+    (dict(v_descale=torch.ones(1)), "v_descale"),
+    (dict(s_aux=torch.ones(HQ)), "s_aux"),
+    (dict(seqused_q=torch.ones(2, **I32)), "seqused_q"),
+    (dict(cp_world_size=2), "cp_world_size"),
+])
+def test_unsupported_arguments_are_named(kw, name):
+    b = batch()
+    with pytest.raises(NotImplementedError, match=name):
+        flash_attn_varlen_func(b["q"], b["k"], b["v"], 20, b["cu"], 40, seqused_k=b["kvl"],
+                               block_table=b["bt"], **kw)
+
+
+def test_speed_only_arguments_are_accepted():
+    b = batch()
+    vllm_call(b, num_splits=8, fa_version=3, scheduler_metadata=torch.zeros(4, **I32),
+              deterministic=True, window_size=(-1, -1), softcap=0.0)
+
+
+def test_bad_values_are_named():
+    b = batch()
+    with pytest.raises(ValueError, match="seqused_k or cu_seqlens_k"):
+        flash_attn_varlen_func(b["q"], b["k"], b["v"], 20, b["cu"], 40, block_table=b["bt"])
+    with pytest.raises(TypeError, match="max_seqlen_q"):
+        flash_attn_varlen_func(b["q"], b["k"], b["v"], -1, b["cu"], 40, seqused_k=b["kvl"],
+                               block_table=b["bt"])
+    with pytest.raises(TypeError, match="q must be"):
+        flash_attn_varlen_func(b["q"].float(), b["k"], b["v"], 20, b["cu"], 40,
+                               seqused_k=b["kvl"], block_table=b["bt"])
+    with pytest.raises(ValueError, match="head_dim"):
+        flash_attn_varlen_func(b["q"][..., :96], b["k"][..., :96], b["v"][..., :96], 20,
+                               b["cu"], 40, seqused_k=b["kvl"], block_table=b["bt"])
+
+
+# ---- plan reuse ------------------------------------------------------------------------
+
+
+def planner_counting(att):
+    """A CallPlanner whose plans are counted."""
+    count = []
+    planner = CallPlanner(att)
+
+    def plan_fn():
+        count.append(1)
+        att.plan(*planner_args[0], **planner_args[1])
+    planner_args = [(), {}]
+    return planner, count, plan_fn, planner_args
+
+
+def test_reuse_while_unchanged_and_replan_after_any_write():
+    b = batch()
+    att = podcute.PODAttention(HQ, HKV, D, PS, device="cpu")
+    planner, count, plan_fn, args = planner_counting(att)
+    args[0] = (b["cu"], b["kvl"])
+    args[1] = dict(block_table=b["bt"])
+    tensors = (b["cu"], b["kvl"], b["bt"])
+    for _ in range(3):  # three layers of one step
+        planner.plan(tensors, (True, None), plan_fn)
+    assert len(count) == 1
+    b["kvl"][1] += 1  # next step, written in place: torch's version counter moves
+    assert not planner.plan(tensors, (True, None), plan_fn)
+    assert att.current_plan.kv_len.tolist() == [40, 18]
+    b["bt"][1, 1] = 5  # a page swap, same lengths
+    assert not planner.plan(tensors, (True, None), plan_fn)
+    assert att.current_plan.page_list.tolist()[3:6] == [3, 5, 7]
+    assert not planner.plan(tensors, (False, None), plan_fn)  # another scalar
+    assert planner.plan(tensors, (False, None), plan_fn)
+    podcute.invalidate_plans()
+    assert not planner.plan(tensors, (False, None), plan_fn)
+    assert len(count) == 5
+
+
+def test_reuse_rule_never_confuses_a_new_tensor():
+    b = batch()
+    att = podcute.PODAttention(HQ, HKV, D, PS, device="cpu")
+    planner, count, plan_fn, args = planner_counting(att)
+    args[0], args[1] = (b["cu"], b["kvl"]), dict(block_table=b["bt"])
+    planner.plan((b["cu"], b["kvl"], b["bt"]), (), plan_fn)
+    # The planned tensors are held, so a new tensor cannot reuse their memory.
+    old_ptr = b["kvl"].data_ptr()
+    b["kvl"] = torch.tensor([40, 17], **I32)
+    assert b["kvl"].data_ptr() != old_ptr
+    args[0] = (b["cu"], b["kvl"])
+    assert not planner.plan((b["cu"], b["kvl"], b["bt"]), (), plan_fn)
+    # Views differ from their base; numpy arrays compare by content.
+    assert fingerprint(b["bt"]) != fingerprint(b["bt"][:1])
+    a = np.array([1, 2, 3], dtype=np.int32)
+    f = fingerprint(a)
+    a[0] = 9
+    assert fingerprint(a) != f
+
+
+def test_one_shot_entry_points_reuse_their_plan():
+    b = batch()
+    _, planner = one_shot()
+    planner.invalidate()
+    vllm_call(b)
+    key = planner._key
+    vllm_call(b)  # the next layer: same tensors
+    assert planner._key == key
+    plan_before = one_shot()[0].current_plan
+    vllm_call(b)
+    assert one_shot()[0].current_plan is plan_before  # not re-planned
+    b["kvl"].add_(1)
+    vllm_call(b)
+    assert one_shot()[0].current_plan is not plan_before
+    # pod_attention shares the same machinery.
+    call(podcute.pod_attention, b["q"], b["k"], b["v"], cu_seqlens_q=b["cu"],
+         seqused_k=b["kvl"], block_table=b["bt"])
+    p = one_shot()[0].current_plan
+    call(podcute.pod_attention, b["q"], b["k"], b["v"], cu_seqlens_q=b["cu"],
+         seqused_k=b["kvl"], block_table=b["bt"])
+    assert one_shot()[0].current_plan is p
+
+
+def test_run_lse_buffer_is_checked():
+    b = batch()
+    att = podcute.PODAttention(HQ, HKV, D, PS, device="cpu")
+    att.plan(b["cu"], b["kvl"], block_table=b["bt"])
+    with pytest.raises(TypeError, match="lse must be float32"):
+        att.run(b["q"], b["k"], b["v"], lse=torch.empty(21, HQ, dtype=torch.float16))
+    with pytest.raises(ValueError, match="lse must be"):
+        att.run(b["q"], b["k"], b["v"], lse=torch.empty(HQ, 21))
+    with pytest.raises(ValueError, match="zero strides"):
+        att.run(b["q"], b["k"], b["v"], lse=torch.empty(1, HQ).expand(21, HQ))
+    with pytest.raises(RuntimeError, match="Hopper"):  # a transposed [Hq, T] buffer is fine
+        att.run(b["q"], b["k"], b["v"], lse=torch.empty(HQ, 21).t())

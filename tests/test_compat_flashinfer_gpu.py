@@ -1,0 +1,231 @@
+"""GPU correctness of podcute.compat.flashinfer against podcute.reference (marker `gpu`).
+
+Each wrapper runs hostile batches from podcute.testing.make_batch (NaN outside the pages
+in use, shuffled pages) with FlashInfer-style arguments; outputs must match the float32
+reference (relative L2 <= 5e-3, bf16), the LSE must be the reference's natural-log LSE
+times log2(e) (FlashInfer's base 2, within 1e-3 natural), and every output row of a
+token must be written (caller buffers and the allocator's free blocks are NaN-poisoned
+first). Kernel variants are kept to four: bf16, head_dim 128, GQA group 4, causal, pages
+1 and 16, with and without LSE (the legacy wrapper returns none; its decode batch, one
+query token per request, is planned causal).
+"""
+
+import math
+
+import pytest
+import torch
+
+from podcute.compat.flashinfer import (BatchAttention, BatchPODWithPagedKVCacheWrapper,
+                                       PODWithPagedKVCacheWrapper)
+from podcute.reference import pod_attention_reference
+from podcute.testing import make_batch
+
+pytestmark = pytest.mark.gpu
+
+HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+if not HAS_SM90:
+    pytest.skip("needs an sm_90 GPU", allow_module_level=True)
+
+HQ, HKV, D = 8, 2, 128
+BF16 = torch.bfloat16
+TOL, LSE_TOL = 5e-3, 1e-3
+_report = {"cases": 0, "worst_rel_l2": 0.0, "worst_lse_abs": 0.0}
+
+# (prefill q, kv) and decode kv lengths of the mixed batches: a long prefill, a chunk
+# with cached prefix, a short one; decodes from 1 to 3000 KV tokens.
+PREFILL = ([300, 64, 17], [700, 64, 900])
+DECODE_KV = [1, 17, 3000, 64, 512, 2, 999, 128, 31, 2048, 7, 300]
+
+
+def workspace():
+    return torch.empty(128 * 1024 * 1024, dtype=torch.uint8, device="cuda")
+
+
+def poison_allocator(nbytes=256 << 20):
+    """Leave NaN in the caching allocator's free blocks, so a fresh output buffer that a
+    kernel fails to write shows NaN."""
+    torch.full((nbytes // 4,), float("nan"), dtype=torch.float32, device="cuda")
+
+
+def check(name, out, lse, ref, ref_lse):
+    """out (and base-2 lse, if given) against the reference rows."""
+    assert out.shape == ref.shape, f"{name}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    assert not out.isnan().any(), f"{name}: unwritten or NaN output"
+    rel = ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
+    _report["cases"] += 1
+    _report["worst_rel_l2"] = max(_report["worst_rel_l2"], rel)
+    assert rel <= TOL, f"{name}: rel L2 {rel:.2e} > {TOL:.0e}"
+    if lse is None:
+        return
+    assert lse.dtype == torch.float32 and lse.shape == ref_lse.shape
+    inf = torch.isinf(ref_lse)
+    assert torch.equal(inf, torch.isinf(lse)), f"{name}: -inf LSE rows differ"
+    # FlashInfer's base-2 LSE * ln 2 = the natural-log LSE of the reference
+    err = (lse[~inf] * math.log(2) - ref_lse[~inf]).abs().max().item() if (~inf).any() else 0.0
+    _report["worst_lse_abs"] = max(_report["worst_lse_abs"], err)
+    assert err <= LSE_TOL, f"{name}: LSE error {err:.2e} (natural log units)"
+
+
+def mixed_batch(page, layout, seed=0, prefill=PREFILL, decode_kv=DECODE_KV, num_pages=None):
+    """One hostile batch, prefill requests first, CSR pages in one [P, 2, ...] pool."""
+    q_lens, kv_lens = prefill[0] + [1] * len(decode_kv), prefill[1] + list(decode_kv)
+    return make_batch(q_lens, kv_lens, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D,
+                      page_size=page, dtype=BF16, device="cuda", kv_layout=layout,
+                      page_format="csr", interleaved=True, num_pages=num_pages, seed=seed)
+
+
+def pod_plan_args(b, num_prefill, on_cpu):
+    """FlashInfer's BatchPOD plan() arguments for batch b split after num_prefill requests.
+    The decode kv_indptr keeps its offset into the whole kv_indices (FlashInfer allows it)."""
+    Bp = num_prefill
+    cu, ip = b.cu_seqlens_q, b.kv_indptr
+    args = dict(qo_indptr_p=cu[: Bp + 1], kv_indptr_p=ip[: Bp + 1],
+                kv_indices_p=b.kv_indices[: int(ip[Bp])], last_page_len_p=b.last_page_len[:Bp],
+                qo_indptr_d=cu[Bp:] - cu[Bp], kv_indptr_d=ip[Bp:], kv_indices_d=b.kv_indices,
+                last_page_len_d=b.last_page_len[Bp:])
+    if on_cpu:
+        args = {k: v.cpu() for k, v in args.items()}
+    return dict(args, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=b.page_size,
+                q_data_type=BF16)
+
+
+def pool_of(b):
+    """The [P, 2, ...] tensor whose halves are b's caches (make_batch(interleaved=True))."""
+    pool = b.k_cache._base
+    assert pool is b.v_cache._base and pool.shape[1] == 2
+    return pool
+
+
+@pytest.mark.parametrize("page", [1, 16])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_batch_pod_matches_reference(page, layout):
+    b = mixed_batch(page, layout, seed=page)
+    Bp, total_p = len(PREFILL[0]), sum(PREFILL[0])
+    ref, ref_lse = b.reference(causal=True, return_lse=True)
+    w = BatchPODWithPagedKVCacheWrapper(workspace(), layout)
+    w.plan(**pod_plan_args(b, Bp, on_cpu=page == 1))
+    pool = pool_of(b)
+    q_view = (b.q[:total_p], b.q[total_p:])  # q_d follows q_p in memory: no copy
+    q_copy = (b.q[:total_p].clone(), b.q[total_p:].clone())  # staged into one q
+    for cache_name, cache in (("[P, 2, ...]", pool), ("(k, v)", (b.k_cache, b.v_cache))):
+        for q_name, (q_p, q_d) in (("view", q_view), ("copy", q_copy)):
+            name = f"BatchPOD page {page} {layout} {cache_name} q {q_name}"
+            poison_allocator()
+            (out_p, out_d), (lse_p, lse_d) = w.run(q_p, cache, q_d, cache, causal_p=True,
+                                                   return_lse=True)
+            torch.cuda.synchronize()
+            assert out_p.shape == q_p.shape and out_d.shape == q_d.shape
+            assert out_p.data_ptr() + out_p.shape[0] * out_p.stride(0) * 2 == out_d.data_ptr()
+            check(name + " prefill", out_p, lse_p, ref[:total_p], ref_lse[:total_p])
+            check(name + " decode", out_d, lse_d, ref[total_p:], ref_lse[total_p:])
+    if page == 16 and layout == "NHD":  # the return_lse=False form, one variant
+        out_p, out_d = w.run(q_copy[0], pool, q_copy[1], pool, causal_p=True)
+        check("BatchPOD no lse prefill", out_p, None, ref[:total_p], None)
+        check("BatchPOD no lse decode", out_d, None, ref[total_p:], None)
+
+
+def test_batch_pod_cuda_graph_replay_after_replan():
+    """Capture run() once, plan another batch with the same prefill token count (the
+    capture fixes it) and a different decode batch, load its data, replay."""
+    page, num_pages, rows_d = 16, 1000, 24  # batch B needs 899 pages
+    # (batch, number of prefill requests): 256 prefill tokens each
+    batches = [(mixed_batch(page, "NHD", seed=10, prefill=([200, 56], [900, 56]),
+                            decode_kv=DECODE_KV[:10], num_pages=num_pages), 2),
+               (mixed_batch(page, "NHD", seed=11, prefill=([100, 100, 56], [100, 2000, 300]),
+                            decode_kv=DECODE_KV + DECODE_KV[:8], num_pages=num_pages), 3)]
+    total_p = 256
+    pool = torch.empty_like(pool_of(batches[0][0]))
+    q_p = torch.empty(total_p, HQ, D, dtype=BF16, device="cuda")
+    q_d = torch.empty(rows_d, HQ, D, dtype=BF16, device="cuda")
+    w = BatchPODWithPagedKVCacheWrapper(workspace(), "NHD")
+
+    def load(b, num_prefill):
+        w.plan(**pod_plan_args(b, num_prefill, on_cpu=True))
+        pool.copy_(pool_of(b))
+        q_p.copy_(b.q[:total_p])
+        q_d.fill_(float("nan"))  # padding rows past the decode batch: never read
+        q_d[: b.q.shape[0] - total_p].copy_(b.q[total_p:])
+
+    load(*batches[0])
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):  # eager warm-up: the first re-plans for causal_p=True
+            w.run(q_p, pool, q_d, pool, causal_p=True, return_lse=True)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        (out_p, out_d), (lse_p, lse_d) = w.run(q_p, pool, q_d, pool, causal_p=True,
+                                               return_lse=True)
+    for i, (b, num_prefill) in enumerate(batches + batches[:1]):
+        load(b, num_prefill)
+        for t in (out_p, out_d, lse_p, lse_d):
+            t.fill_(float("nan"))
+        graph.replay()
+        (e_p, e_d), (el_p, el_d) = w.run(q_p, pool, q_d, pool, causal_p=True, return_lse=True)
+        torch.cuda.synchronize()
+        n_d = b.q.shape[0] - total_p
+        assert torch.equal(out_p, e_p) and torch.equal(out_d[:n_d], e_d[:n_d])
+        assert torch.equal(lse_p, el_p) and torch.equal(lse_d[:n_d], el_d[:n_d])
+        assert out_d[n_d:].isnan().all(), "padding rows of q_d written"
+        ref, ref_lse = b.reference(causal=True, return_lse=True)
+        check(f"graph replay {i} prefill", out_p, lse_p, ref[:total_p], ref_lse[:total_p])
+        check(f"graph replay {i} decode", out_d[:n_d], lse_d[:n_d], ref[total_p:],
+              ref_lse[total_p:])
+    other = mixed_batch(page, "NHD", seed=12, prefill=([100], [100]), num_pages=num_pages)
+    with pytest.raises(ValueError, match="captured"):
+        w.plan(**pod_plan_args(other, 1, on_cpu=True))
+
+
+@pytest.mark.parametrize("kv_len", [640, 650])  # pages of 16 (a view), pages of 1
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_legacy_pod_matches_reference(kv_len, layout):
+    qo_len = 200
+    gen = torch.Generator(device="cuda").manual_seed(kv_len)
+    dec = make_batch([1] * len(DECODE_KV), DECODE_KV, num_qo_heads=HQ, num_kv_heads=HKV,
+                     head_dim=D, page_size=16, dtype=BF16, device="cuda", kv_layout=layout,
+                     page_format="csr", interleaved=True, seed=kv_len)
+    # ragged prefill K/V, strided (halves of one [L, 2, Hkv, D] tensor), in kv_layout_p
+    kv = torch.randn(kv_len, 2, HKV, D, generator=gen, device="cuda", dtype=BF16)
+    q_p = torch.randn(qo_len, HQ, D, generator=gen, device="cuda", dtype=BF16)
+    k_p, v_p = kv[:, 0], kv[:, 1]
+    if layout == "HND":
+        k_p, v_p = k_p.transpose(0, 1), v_p.transpose(0, 1)
+    w = PODWithPagedKVCacheWrapper(workspace(), layout)
+    w.plan(dec.kv_indptr, dec.kv_indices, dec.last_page_len, HQ, HKV, D, 16,
+           q_data_type=BF16)
+    poison_allocator()
+    out_p, out_d = w.run(q_p, k_p, v_p, dec.q, pool_of(dec), causal_p=True, kv_layout_p=layout,
+                         return_lse_p=True)
+    torch.cuda.synchronize()
+    i32 = dict(dtype=torch.int32, device="cuda")
+    ref_p = pod_attention_reference(
+        q_p, kv[:, 0].unsqueeze(1), kv[:, 1].unsqueeze(1),
+        cu_seqlens_q=torch.tensor([0, qo_len], **i32), seqused_k=torch.tensor([kv_len], **i32),
+        kv_indptr=torch.tensor([0, kv_len], **i32), kv_indices=torch.arange(kv_len, **i32))
+    check(f"legacy POD prefill {kv_len} {layout}", out_p, None, ref_p, None)
+    check(f"legacy POD decode {layout}", out_d, None, dec.reference(causal=True), None)
+    assert (w._prefill_key[0].page_size == 16) == (kv_len % 16 == 0)
+
+
+@pytest.mark.parametrize("page", [1, 16])
+def test_batch_attention_matches_reference(page):
+    b = mixed_batch(page, "HND" if page == 16 else "NHD", seed=20 + page)
+    ref, ref_lse = b.reference(causal=True, return_lse=True)
+    total, pad = b.q.shape[0], 5
+    q = torch.cat([b.q, torch.full((pad, HQ, D), float("nan"), dtype=BF16, device="cuda")])
+    w = BatchAttention(b.kv_layout, device="cuda")
+    w.plan(b.cu_seqlens_q, b.kv_indptr, b.kv_indices, b.seqused_k, HQ, HKV, D, D, page,
+           causal=True, sm_scale=1 / math.sqrt(D))
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((q.shape[0], HQ), float("nan"), device="cuda")
+    for cache in (pool_of(b), (b.k_cache, b.v_cache)):
+        o, l = w.run(q, cache, out=out, lse=lse)
+        torch.cuda.synchronize()
+        assert o is out and l is lse
+        assert out[total:].isnan().all() and lse[total:].isnan().all(), "padding rows written"
+        check(f"BatchAttention page {page}", out[:total], lse[:total], ref, ref_lse)
+    poison_allocator()
+    o, l = w.run(q, pool_of(b))  # fresh buffers
+    torch.cuda.synchronize()
+    check(f"BatchAttention page {page} fresh", o[:total], l[:total], ref, ref_lse)
