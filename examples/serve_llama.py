@@ -62,7 +62,7 @@ import torch
 import torch.nn.functional as F
 
 from podcute import PODAttention
-from podcute.reference import _full_fp32_matmul as full_fp32_matmul
+from podcute.reference import full_fp32_matmul
 
 SCRATCH_PAGE = 0  # page 0 is never handed out: padding tokens write their K/V there
 

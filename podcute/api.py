@@ -459,6 +459,47 @@ def one_shot_attention(num_qo_heads: int, num_kv_heads: int, head_dim: int, page
     return hit
 
 
+def one_shot_for(q, k_cache, v_cache, kv_layout: str, *, where: str = "",
+                 names: tuple = ("q", "k_cache", "v_cache")) -> tuple:
+    """one_shot_attention() of the configuration a call's tensors imply: q [T, Hq, D] and
+    4-D caches in `kv_layout`, each check a named error before anything is planned.
+    `where` prefixes the messages and `names` are what the caller calls q and the caches."""
+    q_name, k_name, _ = names
+    for name, t in zip(names, (q, k_cache, v_cache)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{where}{name} must be a torch.Tensor, got {type(t).__name__}")
+    if q.dim() != 3:
+        raise ValueError(f"{where}{q_name} must be [total_q, num_qo_heads, head_dim], got "
+                         f"shape {tuple(q.shape)}")
+    if k_cache.dim() != 4:
+        raise ValueError(f"{where}{k_name} must be 4-D ({kv_layout}), got shape "
+                         f"{tuple(k_cache.shape)}")
+    if q.dtype not in _DTYPES:
+        raise TypeError(f"{where}{q_name} must be torch.bfloat16 or torch.float16, got {q.dtype}")
+    Hq, D = q.shape[1], q.shape[2]
+    page_dim = 1 if kv_layout == "NHD" else 2
+    ps, Hkv = k_cache.shape[page_dim], k_cache.shape[3 - page_dim]
+    if Hq < 1:
+        raise ValueError(f"{where}{q_name} must have >= 1 query heads ({q_name}.shape[1]), got "
+                         f"shape {tuple(q.shape)}")
+    if Hkv < 1:
+        raise ValueError(f"{where}{k_name} must have >= 1 KV heads, got shape "
+                         f"{tuple(k_cache.shape)} ({kv_layout})")
+    if k_cache.shape[3] != D:
+        raise ValueError(f"{where}{k_name} head_dim {k_cache.shape[3]} differs from "
+                         f"{q_name}'s {D}")
+    if Hq % Hkv:
+        raise ValueError(f"{where}{q_name}'s {Hq} heads must be a multiple of {k_name}'s {Hkv} "
+                         "KV heads")
+    if D not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"{where}head_dim ({q_name}.shape[2]) must be one of "
+                         f"{SUPPORTED_HEAD_DIMS}, got {D}")
+    if ps not in SUPPORTED_PAGE_SIZES:
+        raise ValueError(f"{where}page_size ({k_name}.shape[{page_dim}]) must be one of "
+                         f"{SUPPORTED_PAGE_SIZES}, got {ps}")
+    return one_shot_attention(Hq, Hkv, D, ps, q.dtype, kv_layout, q.device)
+
+
 def pod_attention(q, k_cache, v_cache, *, cu_seqlens_q, seqused_k, block_table, causal=True,
                   sm_scale=None, kv_layout="NHD", return_lse=False, out=None):
     """One call: plan + run (FlashAttention-style arguments). The plan is reused by the
@@ -466,33 +507,7 @@ def pod_attention(q, k_cache, v_cache, *, cu_seqlens_q, seqused_k, block_table, 
     per layer of a step only the first call plans); pass the index tensors on the CPU to
     keep that plan() free of GPU syncs."""
     _check_layout(kv_layout)
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if q.dim() != 3:
-        raise ValueError(f"q must be [total_q, num_qo_heads, head_dim], got shape {tuple(q.shape)}")
-    if k_cache.dim() != 4:
-        raise ValueError(f"k_cache must be 4-D ({kv_layout}), got shape {tuple(k_cache.shape)}")
-    if q.dtype not in _DTYPES:
-        raise TypeError(f"q must be torch.bfloat16 or torch.float16, got {q.dtype}")
-    Hq, D = q.shape[1], q.shape[2]
-    ps, Hkv = (k_cache.shape[1], k_cache.shape[2]) if kv_layout == "NHD" else (
-        k_cache.shape[2], k_cache.shape[1])
-    if Hq < 1:
-        raise ValueError(f"q must have >= 1 query heads (q.shape[1]), got shape {tuple(q.shape)}")
-    if Hkv < 1:
-        raise ValueError(f"k_cache must have >= 1 KV heads, got shape {tuple(k_cache.shape)} "
-                         f"({kv_layout})")
-    if k_cache.shape[3] != D:
-        raise ValueError(f"k_cache head_dim {k_cache.shape[3]} differs from q's {D}")
-    if Hq % Hkv:
-        raise ValueError(f"q's {Hq} heads must be a multiple of k_cache's {Hkv} KV heads")
-    if D not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head_dim (q.shape[2]) must be one of {SUPPORTED_HEAD_DIMS}, got {D}")
-    if ps not in SUPPORTED_PAGE_SIZES:
-        raise ValueError(f"page_size (k_cache.shape[{1 if kv_layout == 'NHD' else 2}]) must be "
-                         f"one of {SUPPORTED_PAGE_SIZES}, got {ps}")
-    att, planner = one_shot_attention(Hq, Hkv, D, ps, q.dtype, kv_layout, q.device)
+    att, planner = one_shot_for(q, k_cache, v_cache, kv_layout)
     planner.plan((cu_seqlens_q, seqused_k, block_table), (causal, sm_scale),
                  lambda: att.plan(cu_seqlens_q, seqused_k, block_table=block_table,
                                   causal=causal, sm_scale=sm_scale, _kv_name="seqused_k"))

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
-from functools import cached_property
+from functools import cache, cached_property
 
 import numpy as np
 import torch
@@ -76,17 +76,6 @@ def _align(n: int) -> int:
 def _rows(a: np.ndarray) -> np.ndarray:
     """1-D view of an [n, WORK_COLS] int32 array with one element per row."""
     return a.view(_ROW).reshape(-1)
-
-
-def _once(fn):
-    """A function returning fn()'s value, computed on its first call."""
-    memo = []
-
-    def get():
-        if not memo:
-            memo.append(fn())
-        return memo[0]
-    return get
 
 
 def _ragged_arange(counts: np.ndarray, total: int) -> np.ndarray:
@@ -1195,7 +1184,7 @@ class Planner:
         # first read, from arrays nothing writes again: the kernel needs none of it. Until
         # then it holds the part costs and kinds (9 bytes a work row) and the cut parts'.
         fixes = None if fix is None else (fix, fixed[g[fix]], kv_s[fix], kv_e[fix])
-        costs = _once(lambda: self._predicted_costs(pc, kind, ptr, swaps, n0p, fixes))
+        costs = cache(lambda: self._predicted_costs(pc, kind, ptr, swaps, n0p, fixes))
         counts = dict(num_requests=B, num_prefill_requests=preq.size,
                       num_decode_requests=dreq.size, num_split_items=num_slots,
                       num_merges=num_merge, grid=grid)

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-__all__ = ["pod_attention_reference"]
+__all__ = ["pod_attention_reference", "full_fp32_matmul"]
 
 # Upper bound on float32 score elements per matmul; long prefills are cut into query
 # chunks so that (chunk x Hq x kv_len) stays below it (1 GiB of scores).
@@ -19,7 +19,7 @@ _SCORE_BUDGET = 1 << 28
 
 
 @contextlib.contextmanager
-def _full_fp32_matmul():
+def full_fp32_matmul():
     """Keep a caller's TF32 setting from silently degrading the reference."""
     saved = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")
@@ -117,7 +117,7 @@ def pod_attention_reference(
 
     out = torch.zeros(total_q, hq, d, dtype=torch.float32, device=q.device)
     lse = torch.full((total_q, hq), float("-inf"), dtype=torch.float32, device=q.device)
-    with _full_fp32_matmul():
+    with full_fp32_matmul():
         for i, kv_len in enumerate(kv_lens):
             q0, q1 = q_starts[i], q_starts[i + 1]
             if q1 == q0:

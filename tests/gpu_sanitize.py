@@ -3,11 +3,11 @@
     compute-sanitizer --tool memcheck python tests/gpu_sanitize.py [--small]
 
 Covers the three page classes (cp.async gather at pages 1 and 8, 16-slot TMA boxes at
-page 16, whole-tile TMA boxes with a zeroed V tail at page 128), D 64 and 128, split-KV with the in-kernel merge, decode items (both
-MMA warpgroups, combined in shared memory), prefill items (ping-pong), causal and not,
-and a CUDA graph captured without splits replayed after a plan with splits. Exits
-non-zero if an output is wrong; the sanitizer reports the rest. `--small` shrinks the
-batches (racecheck is slow).
+page 16, whole-tile TMA boxes with a zeroed V tail at page 128), D 64 and 128, split-KV
+with the in-kernel merge, decode items (both MMA warpgroups, combined in shared memory),
+prefill items (ping-pong), causal and not, and a CUDA graph captured without splits
+replayed after a plan with splits. Exits non-zero if an output is wrong; the sanitizer
+reports the rest. `--small` shrinks the batches (racecheck is slow).
 """
 
 import sys

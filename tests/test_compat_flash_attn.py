@@ -222,3 +222,16 @@ def test_run_lse_buffer_is_checked():
         att.run(b["q"], b["k"], b["v"], lse=torch.empty(1, HQ).expand(21, HQ))
     with pytest.raises(RuntimeError, match="Hopper"):  # a transposed [Hq, T] buffer is fine
         att.run(b["q"], b["k"], b["v"], lse=torch.empty(HQ, 21).t())
+
+
+def test_contiguous_token_pages_share_one_array():
+    """Contiguous K/V's 1-token page list: arange(total_k) for every size, views of one
+    array, so a loop of varying sizes keeps no array per size alive."""
+    from podcute.compat import flash_attn as fa
+
+    views = [fa._token_pages(n) for n in (5, 300, 17, 1000, 1)]
+    for n, v in zip((5, 300, 17, 1000, 1), views):
+        assert v.dtype == np.int32 and (v == np.arange(n)).all()
+    big = fa._TOKEN_PAGES
+    assert big.size >= 1000
+    assert fa._token_pages(999).base is big and fa._token_pages(0).size == 0

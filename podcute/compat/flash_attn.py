@@ -38,12 +38,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from podcute.api import one_shot_attention
-from podcute.kernels.config import SUPPORTED_HEAD_DIMS, SUPPORTED_PAGE_SIZES
+from podcute.api import one_shot_for
 
 __all__ = ["flash_attn_varlen_func", "flash_attn_varlen_plan"]
 
-_DTYPES = (torch.bfloat16, torch.float16)
+_WHERE = "flash_attn_varlen_func: "
 
 
 def _unsupported(name: str, value, why: str) -> None:
@@ -98,16 +97,17 @@ def _check_indptr(cu_seqlens_k) -> None:
                         f"{cu_seqlens_k.dtype}")
 
 
-_ARANGE: dict = {}
+_TOKEN_PAGES = np.zeros(0, dtype=np.int32)
 
 
 def _token_pages(num_tokens: int) -> np.ndarray:
-    """0 .. num_tokens-1 as int32 (the page list of contiguous K/V seen as 1-token pages),
-    kept per size: a host array, so plan() copies nothing back from the device."""
-    hit = _ARANGE.get(num_tokens)
-    if hit is None:
-        hit = _ARANGE[num_tokens] = np.arange(num_tokens, dtype=np.int32)
-    return hit
+    """0 .. num_tokens-1 as int32 (the page list of contiguous K/V seen as 1-token pages):
+    a view of one host array that grows to the largest call, so plan() copies nothing
+    back from the device and a serving loop's varying sizes keep no arrays alive."""
+    global _TOKEN_PAGES
+    if _TOKEN_PAGES.size < num_tokens:
+        _TOKEN_PAGES = np.arange(max(num_tokens, 2 * _TOKEN_PAGES.size), dtype=np.int32)
+    return _TOKEN_PAGES[:num_tokens]
 
 
 def flash_attn_varlen_func(q, k, v, max_seqlen_q=None, cu_seqlens_q=None, max_seqlen_k=None,
@@ -188,9 +188,6 @@ class _Call:
         if cu_seqlens_q is None:
             raise ValueError("flash_attn_varlen_func: cu_seqlens_q is required")
         _check_tensor("q", q, 3)
-        if q.dtype not in _DTYPES:
-            raise TypeError(f"flash_attn_varlen_func: q must be torch.bfloat16 or torch.float16, "
-                            f"got {q.dtype}")
         if not isinstance(causal, bool):
             raise TypeError(f"flash_attn_varlen_func: causal must be a bool, got "
                             f"{type(causal).__name__}")
@@ -222,22 +219,8 @@ class _Call:
             pages = dict(kv_indptr=cu_seqlens_k, kv_indices=_token_pages(k.shape[0]))
             index_args = (cu_seqlens_q, cu_seqlens_k)
 
-        Hq, D = q.shape[1], q.shape[2]
-        Hkv = k_cache.shape[2]
-        if D not in SUPPORTED_HEAD_DIMS:
-            raise ValueError(f"flash_attn_varlen_func: head_dim (q.shape[-1]) must be one of "
-                             f"{SUPPORTED_HEAD_DIMS}, got {D}")
-        if page_size not in SUPPORTED_PAGE_SIZES:
-            raise ValueError(f"flash_attn_varlen_func: block_size (k.shape[1]) must be one of "
-                             f"{SUPPORTED_PAGE_SIZES}, got {page_size}")
-        if Hkv < 1 or Hq % Hkv:
-            raise ValueError(f"flash_attn_varlen_func: q's {Hq} heads must be a multiple of k's "
-                             f"{Hkv} KV heads")
-        if k_cache.shape[-1] != D:
-            raise ValueError(f"flash_attn_varlen_func: k head_dim {k_cache.shape[-1]} differs from "
-                             f"q's {D}")
-
-        att, planner = one_shot_attention(Hq, Hkv, D, page_size, q.dtype, "NHD", q.device)
+        att, planner = one_shot_for(q, k_cache, v_cache, "NHD", where=_WHERE,
+                                    names=("q", "k", "v"))
 
         def plan():
             # KV lengths from seqused_k, else from cu_seqlens_k (a device op when it lives

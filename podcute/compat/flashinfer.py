@@ -56,14 +56,14 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from podcute.api import KV_LAYOUTS, PODAttention, _check_index, _check_int, _same_device
+from podcute.api import (_DTYPES, KV_LAYOUTS, PODAttention, _check_index, _check_int,
+                         _same_device)
 from podcute.plan import CapacityError, _host_arrays
 
 __all__ = ["BatchPODWithPagedKVCacheWrapper", "PODWithPagedKVCacheWrapper", "BatchAttention",
            "unpack_paged_kv_cache", "LOG2E"]
 
 LOG2E = math.log2(math.e)  # natural-log LSE * LOG2E = FlashInfer's base-2 LSE
-_DTYPES = (torch.bfloat16, torch.float16)
 
 
 # --------------------------------------------------------------------------------------

@@ -624,7 +624,7 @@ class PodAttentionSm90:
             rescale_rows(acc_O, inv_sum)
             if decode * wg == 0:  # prefill: each warpgroup its rows; decode: warpgroup 0
                 self.epilogue(acc_O, lse, thr_mma_pv, tOcO, sStage, item, row_offset, mO,
-                              mLSE, mPartialO, mPartialLSE, tidx, wg)
+                              mLSE, mPartialO, mPartialLSE, tidx)
             if item.split_slot >= 0:
                 finish_split(
                     mO, mLSE, mPartialO, mPartialLSE, mMerge, mSlotMerge, mMergeSem, mQStart,
@@ -841,7 +841,6 @@ class PodAttentionSm90:
         mPartialO: cute.Tensor,
         mPartialLSE: cute.Tensor,
         tidx: Int32,
-        wg: Int32,
     ):
         """Write this warpgroup's rows of O and LSE: tile row `r` is packed row
         `row_start + row_offset + r` of the item (`epilogue.py`)."""
