@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the H200 (from the repo root, GPU bundle in .device/, see ../shared/device):
 #
-#   bash perf/gpu_check.sh STEP...      STEP: demo kernel graph compat serving memcheck
+#   bash perf/gpu_check.sh STEP...      STEP: demo warm kernel features graph compat serving memcheck
 #                                             racecheck synccheck quick-bench bench host
 #                                             ncu-W-PAGE
 #                                             (ncu of workload W at page PAGE, e.g. ncu-F1-16)
@@ -19,7 +19,7 @@ OUT=${OUT:-/tmp/podcute-out}
 mkdir -p "$OUT"
 source .device/gpu-env.sh
 pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1
-export PODCUTE_CACHE_DIR=$PWD/.device/pcache PODCUTE_COMPILE_LOG=$OUT/compiles.log
+export PODCUTE_CACHE_DIR=${PODCUTE_CACHE_DIR:-$PWD/.device/pcache} PODCUTE_COMPILE_LOG=$OUT/compiles.log
 # Scripts outside the repo root (tests/gpu_sanitize.py) import podcute from the tree.
 export PYTHONUNBUFFERED=1 CUTE_DSL_ARCH=sm_90a PYTHONPATH=$PWD:${PYTHONPATH:-}
 if ! python -c "import podcute.layouts" 2>>"$OUT/install.log"; then
@@ -54,6 +54,9 @@ step() {  # step NAME SECONDS CMD...: run, log, record the exit code
 for s in "$@"; do
   case $s in
     demo) step demo 120 python -m podcute demo || break ;;
+    warm) step warm 300 python -m perf.warm_cache -j "$(nproc)" ;;  # compile here instead
+    features) step features 500 env PODCUTE_GPU_REPORT="$OUT/features_report.json" \
+        python -m pytest -q -x -m gpu tests/test_kernel_gpu.py -k "feature or invariant or nothing" ;;
     kernel) step kernel 420 env PODCUTE_GPU_REPORT="$OUT/kernel_report.json" \
         python -m pytest -q -x -m gpu tests/test_kernel_gpu.py ;;
     graph) step graph 300 env PODCUTE_GPU_REPORT="$OUT/graph_report.json" \

@@ -30,7 +30,8 @@ VARIANTS = sorted({
     # tests/gpu_sanitize.py
     ("bfloat16", 128, 8, False, True, 128), ("bfloat16", 64, 8, True, True, 128),
     ("bfloat16", 64, 1, True, True, 1), ("float16", 64, 1, True, False, 16),
-    ("bfloat16", 128, 4, True, True, 8),
+    ("bfloat16", 128, 4, True, True, 8), ("bfloat16", 96, 4, True, True, 16),
+    ("bfloat16", 96, 1, False, True, 1), ("bfloat16", 96, 8, True, True, 128),
     # compat and serving-loop GPU tests (8/2/128 bf16 causal, pages 1 and 16)
     ("bfloat16", 128, 4, True, False, 1),
     # demo and perf.bench (32/8/128 and 16/4/128, pages 16 and 128)
@@ -46,12 +47,22 @@ def main(argv=None) -> int:
     from podcute.compile import VariantKey, compile_many
     from podcute.kernels.config import KernelConfig
 
+    from podcute.testing import feature_test_variants
+
     keys = list({VariantKey.make(KernelConfig.select(*v)): None for v in VARIANTS})
+    keys += [VariantKey.make(KernelConfig.select(**kw)) for kw in feature_test_variants()]
+    # tests/gpu_sanitize.py's feature cases
+    keys += [VariantKey.make(KernelConfig.select("bfloat16", 128, g, True, True, page, **f))
+             for g, page, f in ((4, 16, dict(window=True, softcap=True, has_sinks=True)),
+                                (4, 8, dict(window=True, has_sinks=True)),
+                                (8, 128, dict(window=True, softcap=True)))]
+    keys = list(dict.fromkeys(keys))
     print(f"{len(keys)} distinct variants", flush=True)
     for key, secs, _ in compile_many(keys, args.j):
         c = key.config
         print(f"{c.dtype} d{c.head_dim} g{c.group} causal={c.causal} lse={c.has_lse} "
-              f"kv_box={c.kv_box} {secs:.1f}s", flush=True)
+              f"kv_box={c.kv_box} window={c.window} softcap={c.softcap} "
+              f"sinks={c.has_sinks} {secs:.1f}s", flush=True)
     return 0
 
 

@@ -128,14 +128,37 @@ def main(argv=None) -> int:
                         help="compile: verify wgmma and setmaxnreg in the generated PTX")
     parser.add_argument("--jobs", type=int, default=None,
                         help="compile: parallel compiler processes (default: CPU count)")
+    parser.add_argument("--features", default=None,
+                        help="compile: comma-separated feature sets to build instead of the "
+                             "shipped variants, each 'none' or names joined by '+' "
+                             "(window, softcap, sinks), e.g. 'window+sinks,softcap'")
+    parser.add_argument("--head-dims", default=None,
+                        help="compile: comma-separated head dims (default: all supported)")
+    parser.add_argument("--groups", default=None,
+                        help="compile: comma-separated GQA groups (default: 1,4,7,8)")
     args, rest = parser.parse_known_args(argv)
     if args.command == "demo":
         device, found = _hopper_device()
         return demo_cpu(found) if device is None else demo_gpu(device)
     if args.command == "compile":
-        from podcute.compile import compile_all
+        from podcute.compile import compile_all, shipped_variants
 
-        return compile_all(args.arch, check=args.check, jobs=args.jobs)
+        variants = None
+        if args.features or args.head_dims or args.groups:
+            kw = {}
+            try:
+                if args.features:
+                    kw["features"] = tuple("" if f == "none" else f
+                                           for f in args.features.split(","))
+                if args.head_dims:
+                    kw["head_dims"] = tuple(int(x) for x in args.head_dims.split(","))
+                if args.groups:
+                    kw["groups"] = tuple(int(x) for x in args.groups.split(","))
+                variants = shipped_variants(args.arch, **kw)
+            except ValueError as err:
+                print(f"python -m podcute compile: {err}", file=sys.stderr)
+                return 2
+        return compile_all(args.arch, check=args.check, jobs=args.jobs, variants=variants)
     from perf.bench import main as bench_main  # the harness lives in the repo's perf/
 
     return bench_main(rest)

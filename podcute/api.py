@@ -218,11 +218,17 @@ class PODAttention:
 
     def plan(self, cu_seqlens_q, kv_lens=None, block_table=None, kv_indptr=None,
              kv_indices=None, last_page_len=None, causal: bool = True,
-             sm_scale: float | None = None, *, _kv_name: str = "kv_lens") -> PlanSummary:
+             sm_scale: float | None = None, *, window_size=(-1, -1), softcap: float = 0.0,
+             batch_invariant: bool = False, _kv_name: str = "kv_lens") -> PlanSummary:
         """Plan a batch. `cu_seqlens_q` int32 [B+1]; KV lengths from `kv_lens` int32 [B] or
         FlashInfer's `last_page_len` (with CSR pages); pages from `block_table` int32
         [B, max_pages] or CSR `kv_indptr` [B+1] + `kv_indices`. Index tensors may live on
-        the CPU (no GPU sync) or on the device (one device->host copy)."""
+        the CPU (no GPU sync) or on the device (one device->host copy).
+
+        `window_size=(left, right)`: sliding window, FlashAttention's convention (-1 =
+        unbounded); `softcap > 0`: logits soft-capped to softcap * tanh(s / softcap);
+        `batch_invariant`: a request's output is bitwise the same whatever shares its
+        batch (docs/contract.md). A plan serves the layers that share these."""
         # One pass over what a serving loop passes (int32 CPU tensors of the right ranks and
         # lengths); anything else takes the detailed checks, which name the argument.
         if not self._plan_common_case(cu_seqlens_q, kv_lens, block_table, kv_indptr,
@@ -236,7 +242,9 @@ class PODAttention:
         self._plan = self.planner.plan(cu_seqlens_q, kv_lens, block_table=block_table,
                                        kv_indptr=kv_indptr, kv_indices=kv_indices,
                                        last_page_len=last_page_len, causal=causal,
-                                       sm_scale=sm_scale, _kv_name=_kv_name)
+                                       sm_scale=sm_scale, window_size=window_size,
+                                       softcap=softcap, batch_invariant=batch_invariant,
+                                       _kv_name=_kv_name)
         del old
         self._page_arg = "block_table" if block_table is not None else "kv_indices"
         return self._plan.summary
@@ -382,7 +390,7 @@ class PODAttention:
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             out: torch.Tensor | None = None, return_lse: bool = False,
-            lse: torch.Tensor | None = None):
+            lse: torch.Tensor | None = None, sinks: torch.Tensor | None = None):
         """Attention of the planned batch. q [T, Hq, D] with T >= cu_seqlens_q[-1] (rows
         past it are padding: never read, never written); caches [num_pages, page_size,
         Hkv, D] (NHD) or [num_pages, Hkv, page_size, D] (HND), any strides with a
@@ -390,6 +398,8 @@ class PODAttention:
         not overlap q or the caches), and with return_lse also lse [T, Hq] float32
         (natural log; `lse` if given: any strides, e.g. the transpose of an [Hq, T]
         buffer, not overlapping the other tensors; giving it implies return_lse).
+        `sinks`: float32 [Hq] per-head sink logits (gpt-oss), one extra key with no value
+        in every row's softmax denominator; lse then includes it (docs/contract.md).
         CUDA-graph capturable: the first captured call fixes the planner's buffers
         (README, CUDA graphs)."""
         plan = self._plan
@@ -402,6 +412,8 @@ class PODAttention:
         if lse is not None:
             self._check_lse(lse, q, k_cache, v_cache, out)
             return_lse = True
+        if sinks is not None:
+            self._check_sinks(sinks, q)
         # Only now the device: never fall back to the reference silently.
         require_sm90(q.device)
         if not self.planner.frozen and torch.cuda.is_current_stream_capturing():
@@ -411,8 +423,26 @@ class PODAttention:
         if return_lse and lse is None:
             lse = torch.empty(q.shape[0], self.num_qo_heads, dtype=torch.float32,
                               device=q.device)
-        launch(plan, q, k_cache, v_cache, out, lse, kv_layout=self.kv_layout)
+        launch(plan, q, k_cache, v_cache, out, lse, kv_layout=self.kv_layout, sinks=sinks)
         return (out, lse) if return_lse else out
+
+    def _check_sinks(self, sinks, q) -> None:
+        """sinks: a float32 [Hq] tensor on q's device with unit stride (its values, like
+        q's, are the caller's: -inf is a sink that weighs nothing)."""
+        _check_dense("sinks", sinks)
+        if sinks.dtype != torch.float32:
+            raise TypeError(f"sinks must be float32 (one logit per query head), got "
+                            f"{sinks.dtype}")
+        if tuple(sinks.shape) != (self.num_qo_heads,):
+            raise ValueError(f"sinks must be [num_qo_heads] = [{self.num_qo_heads}], got shape "
+                             f"{tuple(sinks.shape)}")
+        if not _same_device(sinks.device, q.device):
+            raise ValueError(f"sinks is on {sinks.device}, q on {q.device}")
+        if self.num_qo_heads > 1 and sinks.stride(0) != 1:
+            raise ValueError(f"sinks must be contiguous (stride 1), got stride {sinks.stride(0)}")
+        if sinks.data_ptr() % 4:
+            raise ValueError(f"sinks must be 4-byte aligned, got data pointer "
+                             f"{sinks.data_ptr():#x}")
 
     def _check_lse(self, lse, q, k_cache, v_cache, out) -> None:
         """A caller-given lse: float32 [q.shape[0], Hq] on q's device, distinct elements,
@@ -501,14 +531,20 @@ def one_shot_for(q, k_cache, v_cache, kv_layout: str, *, where: str = "",
 
 
 def pod_attention(q, k_cache, v_cache, *, cu_seqlens_q, seqused_k, block_table, causal=True,
-                  sm_scale=None, kv_layout="NHD", return_lse=False, out=None):
-    """One call: plan + run (FlashAttention-style arguments). The plan is reused by the
+                  sm_scale=None, kv_layout="NHD", return_lse=False, out=None,
+                  window_size=(-1, -1), softcap=0.0, sinks=None, batch_invariant=False):
+    """One call: plan + run (FlashAttention-style arguments; `window_size`, `softcap`,
+    `sinks`, `batch_invariant` as PODAttention.plan/run). The plan is reused by the
     next calls while their index tensors are the same and unchanged (``podcute.reuse``:
     per layer of a step only the first call plans); pass the index tensors on the CPU to
     keep that plan() free of GPU syncs."""
     _check_layout(kv_layout)
     att, planner = one_shot_for(q, k_cache, v_cache, kv_layout)
-    planner.plan((cu_seqlens_q, seqused_k, block_table), (causal, sm_scale),
+    window = tuple(window_size) if isinstance(window_size, (tuple, list)) else window_size
+    planner.plan((cu_seqlens_q, seqused_k, block_table),
+                 (causal, sm_scale, window, softcap, batch_invariant),
                  lambda: att.plan(cu_seqlens_q, seqused_k, block_table=block_table,
-                                  causal=causal, sm_scale=sm_scale, _kv_name="seqused_k"))
-    return att.run(q, k_cache, v_cache, out=out, return_lse=return_lse)
+                                  causal=causal, sm_scale=sm_scale, window_size=window,
+                                  softcap=softcap, batch_invariant=batch_invariant,
+                                  _kv_name="seqused_k"))
+    return att.run(q, k_cache, v_cache, out=out, return_lse=return_lse, sinks=sinks)

@@ -121,10 +121,13 @@ def _fake_args(key: VariantKey):
     partial_lse = make_fake_tensor(cutlass.Float32, (sym(), rows), (rows, 1), assumed_align=16)
     merge = make_fake_tensor(cutlass.Int32, (sym(), MERGE_COLS), (MERGE_COLS, 1), assumed_align=4)
     params = make_fake_tensor(cutlass.Float32, (NUM_PARAMS,), (1,), assumed_align=16)
+    iparams = make_fake_tensor(cutlass.Int32, (NUM_PARAMS,), (1,), assumed_align=16)
+    sinks = (make_fake_tensor(cutlass.Float32, (sym(),), (1,), assumed_align=4)
+             if cfg.has_sinks else None)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-    # Order: PodAttentionSm90.__call__ (q, k, v, out, lse, then Planner.kernel_args).
-    return (rows3(), cache(), cache(), rows3(), lse, work, ivec(), ivec(), ivec(), ivec(), ivec(),
-            partial_o, partial_lse, merge, ivec(), ivec(), params,
+    # Order: PodAttentionSm90.__call__ (q, k, v, out, lse, sinks, then Planner.kernel_args).
+    return (rows3(), cache(), cache(), rows3(), lse, sinks, work, ivec(), ivec(), ivec(), ivec(),
+            ivec(), partial_o, partial_lse, merge, ivec(), ivec(), params, iparams,
             cutlass.Int32(4), cutlass.Int32(1), stream)
 
 
@@ -183,20 +186,39 @@ def _export_entry(path: Path, pod) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def shipped_variants(arch: str = "sm_90a"):
+FEATURES = ("window", "softcap", "sinks")  # model features a variant may carry
+
+
+def feature_flags(spec: str) -> dict:
+    """KernelConfig flags of a feature spec: "" (none) or names joined by "+"
+    ("window+sinks"); ValueError for an unknown name."""
+    names = [n for n in spec.split("+") if n]
+    unknown = [n for n in names if n not in FEATURES]
+    if unknown:
+        raise ValueError(f"unknown feature(s) {unknown}: features are {FEATURES}, joined by '+'")
+    return dict(window="window" in names, softcap="softcap" in names,
+                has_sinks="sinks" in names)
+
+
+def shipped_variants(arch: str = "sm_90a", head_dims=(64, 96, 128), groups=(1, 4, 7, 8),
+                     features=("",)):
     """The variants `python -m podcute compile` builds ahead of time (and CI compiles).
 
     GQA groups 1 (MHA), 4, 7 and 8 cover the common models; any other group (MQA of 32
-    heads, say) compiles on first use (~3 s on an H200). Page sizes 128, 16 and 1 stand
-    for the three page classes (whole-tile TMA boxes, 16-slot TMA boxes, cp.async gather).
+    heads, say) compiles on first use (~3 s on an H200), as does every variant with a
+    model feature (window, softcap, sinks) unless `features` asks for it
+    (`python -m podcute compile --features window+sinks,softcap`). Page sizes 128, 16 and
+    1 stand for the three page classes (whole-tile TMA boxes, 16-slot TMA boxes, cp.async
+    gather).
     """
     return [
         VariantKey.make(KernelConfig.select(dtype, head_dim, group, causal, has_lse,
-                                            page_size, arch=arch))
+                                            page_size, arch=arch, **feature_flags(spec)))
+        for spec in features
         for page_size in (128, 16, 1)
         for dtype in ("bfloat16", "float16")
-        for head_dim in (64, 128)
-        for group in (1, 4, 7, 8)
+        for head_dim in head_dims
+        for group in groups
         for causal in (True, False)
         for has_lse in (True, False)
     ]
@@ -288,8 +310,10 @@ def compile_many(keys, jobs: int = 1, check: bool = False):
             yield (key, *res)
 
 
-def compile_all(arch: str, check: bool = False, out=None, jobs: int | None = None) -> int:
-    """`python -m podcute compile`: build every shipped variant; return an exit code.
+def compile_all(arch: str, check: bool = False, out=None, jobs: int | None = None,
+                variants=None) -> int:
+    """`python -m podcute compile`: build every shipped variant (or `variants`); return
+    an exit code.
 
     Works without a GPU (cross-compilation for `arch`), in `jobs` processes (default: the
     CPU count). With `check`, also verifies the generated PTX uses wgmma and setmaxnreg
@@ -302,7 +326,7 @@ def compile_all(arch: str, check: bool = False, out=None, jobs: int | None = Non
         print(unsupported_arch_message(f"--arch {arch}"), file=sys.stderr)
         return 2
     os.environ.setdefault("CUTE_DSL_ARCH", arch)
-    variants = shipped_variants(arch)
+    variants = shipped_variants(arch) if variants is None else variants
     jobs = jobs or os.cpu_count() or 1
     start, failures = time.perf_counter(), []
     for i, (key, secs, counts) in enumerate(compile_many(variants, jobs, check), 1):
@@ -313,9 +337,11 @@ def compile_all(arch: str, check: bool = False, out=None, jobs: int | None = Non
                 failures.append(key)
         bar = "#" * (30 * i // len(variants))
         c = key.config
+        feats = "+".join(n for n, on in (("window", c.window), ("softcap", c.softcap),
+                                         ("sinks", c.has_sinks)) if on)
         print(f"[{bar:<30}] {i}/{len(variants)} {c.dtype} d{c.head_dim} g{c.group} "
-              f"causal={c.causal} lse={c.has_lse} kv_box={c.kv_box} {secs:.1f}s{note}",
-              file=out, flush=True)
+              f"causal={c.causal} lse={c.has_lse} kv_box={c.kv_box}"
+              f"{' ' + feats if feats else ''} {secs:.1f}s{note}", file=out, flush=True)
     print(f"compiled {len(variants)} variants for {arch} in {time.perf_counter() - start:.1f}s"
           f" ({jobs} processes); {len(failures)} failed checks", file=out)
     return 1 if failures else 0

@@ -29,34 +29,43 @@ def require_sm90(device: torch.device) -> None:
         raise RuntimeError(unsupported_arch_message(problem))
 
 
-# (device, dtype, plan config object, causal, has_lse) -> (plan config, kernel). The plan
-# config object lives as long as its planner; holding it keeps its id() unique.
+# (device, dtype, plan config object, plan options, has_lse, has_sinks) -> (plan config,
+# kernel). The plan config object lives as long as its planner; holding it keeps its id()
+# unique.
 _variants: dict = {}
 
 
-def _kernel(device, dtype, plan_config, causal: bool, has_lse: bool):
+def variant_config(plan_config, options, has_lse: bool, has_sinks: bool):
+    """The KernelConfig a plan's configuration and options compile to."""
+    return plan_config.kernel.with_flags(has_lse=has_lse, has_sinks=has_sinks,
+                                         **options.kernel_flags())
+
+
+def _kernel(device, dtype, plan_config, options, has_lse: bool, has_sinks: bool):
     """The compiled kernel for a plan's configuration: a dict hit after the first call."""
-    facts = (device, dtype, id(plan_config), causal, has_lse)
+    facts = (device, dtype, id(plan_config), options, has_lse, has_sinks)
     hit = _variants.get(facts)
     if hit is None or hit[0] is not plan_config:
         require_sm90(device)
-        cfg = plan_config.kernel.with_flags(causal=causal, has_lse=has_lse)
+        cfg = variant_config(plan_config, options, has_lse, has_sinks)
         hit = (plan_config, compile_variant(VariantKey.make(cfg)))
         _variants[facts] = hit
     return hit[1]
 
 
-def launch(plan, q, k_cache, v_cache, out, lse, kv_layout: str = "NHD"):
+def launch(plan, q, k_cache, v_cache, out, lse, kv_layout: str = "NHD", sinks=None):
     """Run the fused POD kernel for `plan` (one launch; split-KV groups merge in-kernel).
 
-    `out` is [T, Hq, D] (q's dtype), `lse` is [T, Hq] float32 or None. Every metadata
-    argument is a whole planner buffer (`plan.kernel_args`), the same for every plan, so
-    a captured launch replays with whatever plan() wrote last.
+    `out` is [T, Hq, D] (q's dtype), `lse` is [T, Hq] float32 or None, `sinks` [Hq]
+    float32 or None. Every metadata argument is a whole planner buffer
+    (`plan.kernel_args`), the same for every plan, so a captured launch replays with
+    whatever plan() wrote last.
     Raises RuntimeError naming what is needed when no sm_90 GPU is available.
     """
-    pod = _kernel(q.device, q.dtype, plan.config, plan.causal, lse is not None)
+    pod = _kernel(q.device, q.dtype, plan.config, plan.options, lse is not None,
+                  sinks is not None)
     if kv_layout == "HND":
         # The kernel addresses (page, slot, head, dim); HND is that view with two strides
         # swapped (layouts.canonical_kv in torch terms), so both layouts share one variant.
         k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
-    pod(q, k_cache, v_cache, out, lse, *plan.kernel_args)
+    pod(q, k_cache, v_cache, out, lse, sinks, *plan.kernel_args)

@@ -41,6 +41,7 @@ Costs are float64 microseconds, so no batch the capacities allow can overflow th
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field, fields
 from functools import cache, cached_property
@@ -49,9 +50,9 @@ import numpy as np
 import torch
 
 from podcute.kernels.config import SUPPORTED_PAGE_SIZES, KernelConfig
-from podcute.kernels.metadata import (KIND_BITS, MERGE_COLS, NUM_PARAMS, WORK_COLS, Kind,
-                                      MergeCol, Param, WorkCol)
-from podcute.kernels.visibility import visible_end_host
+from podcute.kernels.metadata import (KIND_BITS, MERGE_COLS, NUM_PARAMS, WORK_COLS, IParam,
+                                      Kind, MergeCol, Param, WorkCol)
+from podcute.kernels.visibility import visible_end_host, visible_start_host
 
 _ALIGN = 16  # int32 elements: metadata segments start on 64-byte boundaries
 _ROW = np.dtype((np.void, WORK_COLS * 4))  # a work row as one element: fast row gathers
@@ -194,6 +195,74 @@ class PlanSummary:
         )
 
 
+# Batch-invariant plans split a request's KV range at fixed multiples of these many tokens
+# (prefill, decode: Kind order), whatever else shares the batch.
+INVARIANT_SPLIT_TOKENS = (8192, 4096)
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """What a plan computes besides the batch (docs/contract.md): the mask, soft-capping,
+    and whether split points may depend on the batch. Validated by :meth:`make`."""
+
+    causal: bool = True
+    window_left: int = -1  # -1: unbounded
+    window_right: int = -1  # as given (causal clips it to 0)
+    softcap: float = 0.0  # 0: off
+    batch_invariant: bool = False
+
+    @staticmethod
+    def make(causal=True, window_size=(-1, -1), softcap=0.0,
+             batch_invariant=False) -> "PlanOptions":
+        """Options from plan()'s arguments; TypeError/ValueError naming a bad one."""
+        if not isinstance(causal, (bool, np.bool_)):
+            raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+        if not isinstance(batch_invariant, (bool, np.bool_)):
+            raise TypeError(f"batch_invariant must be a bool, got "
+                            f"{type(batch_invariant).__name__}")
+        if window_size is None:
+            window_size = (-1, -1)
+        if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+            raise TypeError(f"window_size must be a pair (left, right) of ints, got "
+                            f"{window_size!r}")
+        for side, v in zip(("left", "right"), window_size):
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+                raise TypeError(f"window_size {side} must be an int (-1: unbounded), got "
+                                f"{type(v).__name__}")
+            if not -1 <= v <= MAX_KV_LEN:
+                raise ValueError(f"window_size {side} must be -1 (unbounded) or in [0, "
+                                 f"{MAX_KV_LEN}], got {v}")
+        if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, (int, float,
+                                                                             np.floating)):
+            raise TypeError(f"softcap must be a float (0: off), got {type(softcap).__name__}")
+        softcap = float(softcap)
+        if not (math.isfinite(softcap) and softcap >= 0):
+            raise ValueError(f"softcap must be a finite float >= 0 (0: off), got {softcap}")
+        if 0 < softcap < 1e-30:
+            raise ValueError(f"softcap {softcap} is too small for float32 (use 0 for off)")
+        return PlanOptions(bool(causal), int(window_size[0]), int(window_size[1]), softcap,
+                           bool(batch_invariant))
+
+    @property
+    def bounded_right(self) -> bool:
+        """Keys right of a limit are masked (the kernel's `causal` flag)."""
+        return self.causal or self.window_right >= 0
+
+    @property
+    def right(self) -> int:
+        """The right limit's offset from the query position (0 when causal)."""
+        return 0 if self.causal else max(self.window_right, 0)
+
+    @property
+    def has_window(self) -> bool:
+        """The kernel reads window edges from the plan (its `window` flag)."""
+        return self.window_left >= 0 or (not self.causal and self.window_right >= 0)
+
+    def kernel_flags(self) -> dict:
+        return dict(causal=self.bounded_right, window=self.has_window,
+                    softcap=self.softcap > 0)
+
+
 @dataclass(frozen=True)
 class PlanConfig:
     num_qo_heads: int
@@ -214,6 +283,7 @@ class Plan:
     config: PlanConfig
     causal: bool
     sm_scale: float
+    options: PlanOptions
     # --- host facts ---
     total_q: int
     batch_size: int
@@ -495,6 +565,7 @@ class Planner:
         self._on_cuda = self.device.type == "cuda"
         self._copy_done = None  # CUDA event: the staging buffers may be rewritten after it
         self._check_limits(max_batch_size, max_num_tokens, max_num_pages)
+        self._split_floor = (0, 0, 0)
         self._allocate(max_batch_size, max_num_tokens, max_num_pages)
 
         # Unit costs in microseconds: prefill per KV token of a tile_m_prefill-row item,
@@ -544,6 +615,10 @@ class Planner:
         cap = capacities(max_batch_size, max_num_tokens, max_num_pages, cfg.num_qo_heads,
                          cfg.num_kv_heads, cfg.kernel.tile_m_decode, grid,
                          self.cost.chunks_per_cta)
+        # (batch-invariant plans may have asked for more split room: _grow_splits)
+        items, merges, slots = self._split_floor
+        cap = dataclasses.replace(cap, items=max(cap.items, items),
+                                  merges=max(cap.merges, merges), slots=max(cap.slots, slots))
         # One int32 buffer with fixed segment offsets -> one H2D copy of a prefix per plan;
         # the page list is a second buffer (its own capacity), sent with a second copy.
         segs, off = {}, 0
@@ -575,9 +650,11 @@ class Planner:
         self._h = {k: self._staging[o: o + n] for k, (o, n) in segs.items()}
         self._d["merge"] = self._d["merge"].view(cap.merges, MERGE_COLS)
         self._d["work"] = self._d["work"].view(cap.items, WORK_COLS)
+        self._d["iparams"] = self._d["params"]  # int32 words (metadata.IParam)
         self._d["params"] = self._d["params"].view(torch.float32)
         self._h["merge"] = self._h["merge"].reshape(cap.merges, MERGE_COLS)
         self._h["work"] = self._h["work"].reshape(cap.items, WORK_COLS)
+        self._h["iparams"] = self._h["params"]
         self._h["params"] = self._h["params"].view(np.float32)
         d = self._d
         d["page_list"], d["merge_sem"] = self._page_list, self._merge_sem  # for Plan's views
@@ -587,7 +664,22 @@ class Planner:
         self.kernel_args = (d["work"], d["cta_ptr"], d["q_start"], d["kv_len"],
                             d["page_start"], self._page_list, self._partial_o,
                             self._partial_lse, d["merge"], d["slot_merge"], self._merge_sem,
-                            d["params"], cfg.page_size.bit_length() - 1, grid)
+                            d["params"], d["iparams"], cfg.page_size.bit_length() - 1, grid)
+
+    def _grow_splits(self, items: int, merges: int, slots: int) -> None:
+        """Room for a batch-invariant plan's fixed-size splits (twice what it needs), or
+        CapacityError when a CUDA graph holds the buffers."""
+        cap = self.capacity
+        if self.frozen or (self._on_cuda and torch.cuda.is_current_stream_capturing()):
+            raise CapacityError(
+                f"podcute plan: this batch-invariant batch splits its KV into {slots} pieces "
+                f"({merges} merges, {items} work items) but the buffers hold {cap.slots} "
+                f"({cap.merges}, {cap.items}) and cannot grow: a CUDA graph holds their "
+                "addresses. Plan the longest batch before capturing.")
+        self._sync_staging()
+        self._split_floor = tuple(max(2 * x, c) for x, c in
+                                  zip((items, merges, slots), self._split_floor))
+        self._allocate(cap.batch, cap.tokens, cap.pages)
 
     def freeze(self) -> None:
         """Fix the buffers where they are: a CUDA graph has captured their addresses. From
@@ -633,11 +725,14 @@ class Planner:
 
     def plan(self, cu_seqlens_q, kv_lens=None, *, block_table=None, kv_indptr=None,
              kv_indices=None, last_page_len=None, causal: bool = True,
-             sm_scale: float | None = None, _kv_name: str = "kv_lens") -> Plan:
+             sm_scale: float | None = None, window_size=(-1, -1), softcap: float = 0.0,
+             batch_invariant: bool = False, _kv_name: str = "kv_lens") -> Plan:
         """Plan one batch (see the module docstring). KV lengths come from `kv_lens` or,
         with CSR pages, from `last_page_len`: kv_len = (pages - 1) * page_size + last.
+        `window_size`, `softcap`, `batch_invariant`: docs/contract.md (PlanOptions).
         Raises ValueError naming the argument for a bad value; `_kv_name` is what the
         messages call kv_lens."""
+        options = PlanOptions.make(causal, window_size, softcap, batch_invariant)
         if (block_table is None) == (kv_indices is None):
             raise ValueError("pass exactly one page format: block_table, or kv_indptr + "
                              "kv_indices")
@@ -658,7 +753,7 @@ class Planner:
         sm_scale = self._kernel_scale(sm_scale)
         cu, q_len, kvl, used, total_q, max_page_index, pages, page_src, num_entries = inputs
         self._ensure_capacity(q_len.size, total_q, num_entries)
-        return self._build(cu, q_len, kvl, used, causal, sm_scale, total_q, max_page_index,
+        return self._build(cu, q_len, kvl, used, options, sm_scale, total_q, max_page_index,
                            pages, page_src, num_entries)
 
     def _common_inputs(self, h, causal, kv_name):
@@ -847,32 +942,45 @@ class Planner:
             kv_end = (kv_end + (tn - 1)) // tn * tn
         return kv_end if kv_start is None else kv_end - kv_start
 
-    def _presplit(self, e, fixed, rate, min_tiles):
-        """Split KV ranges [0, e) into tile-aligned pieces of about equal work, each
-        >= max(L / s, min_chunk) (L = these groups' work per CTA, s = chunks_per_cta) and
-        >= min_tiles tiles. Returns (group, index in group, kv start, kv end, pieces per
-        group), or None when nothing splits."""
+    def _presplit(self, b, e, fixed, rate, min_tiles, invariant_tokens=None):
+        """Split KV ranges [b, e) (b tile-aligned; None: 0) into tile-aligned pieces of
+        about equal work, each >= max(L / s, min_chunk) (L = these groups' work per CTA,
+        s = chunks_per_cta) and >= min_tiles tiles; with `invariant_tokens`, into pieces
+        of that many tokens from b (split points that depend on the request alone).
+        Returns (group, index in group, kv start, kv end, pieces per group), or None
+        when nothing splits."""
         tn = self.config.kernel.tile_n
-        load = (float(e.sum()) * rate + float(fixed.sum())) / self.grid
-        c_k = max(load / self.cost.chunks_per_cta, self.cost.min_chunk_us)
-        if float(e.max()) * rate <= c_k:
-            return None
-        t = (e + (tn - 1)) // tn
-        nch = np.minimum(np.ceil(e * (rate / c_k)).astype(np.int64), t // min_tiles)
-        if nch.max() <= 1:
-            return None
-        nch = np.maximum(nch, 1)
-        tpc = (np.maximum(t, 1) + nch - 1) // nch  # KV tiles per piece
-        nch = np.maximum((t + tpc - 1) // tpc, 1)
+        span = e if b is None else e - b
+        t = (span + (tn - 1)) // tn
+        if invariant_tokens is not None:
+            tpc = np.full(e.size, invariant_tokens // tn, dtype=np.int64)
+            nch = np.maximum((t + tpc - 1) // tpc, 1)
+            if nch.max() <= 1:
+                return None
+        else:
+            load = (float(span.sum()) * rate + float(fixed.sum())) / self.grid
+            c_k = max(load / self.cost.chunks_per_cta, self.cost.min_chunk_us)
+            if float(span.max()) * rate <= c_k:
+                return None
+            nch = np.minimum(np.ceil(span * (rate / c_k)).astype(np.int64), t // min_tiles)
+            if nch.max() <= 1:
+                return None
+            nch = np.maximum(nch, 1)
+            tpc = (np.maximum(t, 1) + nch - 1) // nch  # KV tiles per piece
+            nch = np.maximum((t + tpc - 1) // tpc, 1)
         src = np.arange(e.size).repeat(nch)
         j = _ragged_arange(nch, src.size)
         step = tpc[src] * tn
         s = j * step
+        if b is not None:
+            s += b[src]
         return src, j, s, np.minimum(s + step, e[src]), nch
 
-    def _build(self, cu, q_len, kvl, used, causal, sm_scale, total_q, max_page_index, pages,
+    def _build(self, cu, q_len, kvl, used, options, sm_scale, total_q, max_page_index, pages,
                page_src, num_entries) -> Plan:
         cfg, kcfg, grid = self.config, self.config.kernel, self.grid
+        causal, bounded, right = options.causal, options.bounded_right, options.right
+        left = options.window_left
         tm_p, tm_d, tn = kcfg.tile_m_prefill, kcfg.tile_m_decode, kcfg.tile_n
         G, Hkv = cfg.group_size, cfg.num_kv_heads
         B = q_len.size
@@ -899,7 +1007,9 @@ class Planner:
         n0d = dreq.size * Hkv
         n0 = n0p + n0d
         tmpl = np.empty((n0, WORK_COLS), dtype=np.int32)
-        kv_end = np.empty(n0, dtype=np.int64)  # each group's KV range is [0, kv_end)
+        kv_end = np.empty(n0, dtype=np.int64)  # each group's KV range is [kv_begin, kv_end)
+        # a tile-aligned start when a window's left edge skips keys, else 0 (None)
+        kv_begin = np.zeros(n0, dtype=np.int64) if left >= 0 else None
         fixed = np.empty(n0)
         kinds = []  # per kind: (kind, its groups, cost per KV token)
         if n0p:
@@ -908,22 +1018,32 @@ class Planner:
             row_start = _ragged_arange(n_rt, n_tiles) * tm_p
             row_end = np.minimum(row_start + tm_p, rows[req])
             # keys no row of the item sees are never loaded
-            e = visible_end_host(kvl[req], q_len[req], row_end, G, causal)
+            e = visible_end_host(kvl[req], q_len[req], row_end, G, bounded, right)
+            if left >= 0:  # nor those left of every row's window (whole tiles)
+                b = visible_start_host(kvl[req], q_len[req], row_start, G, left)
+                b = np.minimum(b // tn, e // tn) * tn
+                e_len = e - b  # the zigzag sorts by the work, not the end
+            else:
+                b, e_len = None, e
             # Zigzag the groups by length (longest, shortest, next longest, ...): every
             # stretch of the stream, so every CTA list, then holds long and short tiles in
             # the batch's proportion, and per-item costs the model misses spread evenly.
             # "By length" is a stable sort of the groups in (request, head, tile) order:
             # the tiles sorted stably, each followed by its heads, except that a request's
             # tiles of equal length (a run) go head by head (below).
-            srt = e.argsort(kind="stable")
-            e, req = e[srt], req[srt]
+            srt = e_len.argsort(kind="stable")
+            e, e_len, req = e[srt], e_len[srt], req[srt]
             by_len = np.empty((n_tiles, Hkv, WORK_COLS), dtype=np.int32)
             by_len[:] = self._group_rows[Kind.PREFILL]  # KV_HEAD = head, KIND = PREFILL
             by_len[:, :, WorkCol.REQ] = req[:, None]
             by_len[:, :, WorkCol.ROW_START] = row_start[srt][:, None]
             by_len[:, :, WorkCol.ROW_END] = row_end[srt][:, None]
             by_len = _rows(by_len.reshape(n0p, WORK_COLS))
-            run = (e[1:] == e[:-1]) & (req[1:] == req[:-1])  # continues the tile before
+            # continues the tile before (the same KV range)
+            run = (e[1:] == e[:-1]) & (req[1:] == req[:-1])
+            if b is not None:
+                b = b[srt]
+                run &= b[1:] == b[:-1]
             if run.any():
                 first = np.concatenate(([True], ~run)).nonzero()[0]  # each run's first tile
                 run_len = np.diff(first, append=n_tiles)
@@ -934,12 +1054,16 @@ class Planner:
                 ordered = np.empty_like(by_len)
                 ordered[pos.reshape(-1)] = by_len
                 by_len = ordered
-            e = e.repeat(Hkv)  # (a run's tiles are of one length)
+            e = e.repeat(Hkv)  # (a run's tiles are of one KV range)
             half = (n0p + 1) // 2
             zig = _rows(tmpl[:n0p])
             zig[0::2], zig[1::2] = by_len[::-1][:half], by_len[: n0p - half]
             ends = kv_end[:n0p]
             ends[0::2], ends[1::2] = e[::-1][:half], e[: n0p - half]
+            if b is not None:
+                b = b.repeat(Hkv)
+                begins = kv_begin[:n0p]
+                begins[0::2], begins[1::2] = b[::-1][:half], b[: n0p - half]
             fixed[:n0p] = o_p
             kinds.append((Kind.PREFILL, slice(0, n0p), r_p))
         if n0d:
@@ -947,21 +1071,36 @@ class Planner:
             t[:] = self._group_rows[Kind.DECODE]  # KV_HEAD = head, ROW_START = 0
             t[:, :, WorkCol.REQ] = dreq[:, None]
             t[:, :, WorkCol.ROW_END] = d_rows[:, None]
-            # the causal clip is a no-op for an item holding all rows of its request
-            kv_end[n0p:].reshape(dreq.size, Hkv)[:] = d_kv[:, None]
+            # the causal clip is a no-op for an item holding all rows of its request (not
+            # a window's right edge, nor its left)
+            if options.has_window:
+                d_q = q_len[dreq]
+                d_e = visible_end_host(d_kv, d_q, d_rows, G, bounded, right)
+                kv_end[n0p:].reshape(dreq.size, Hkv)[:] = d_e[:, None]
+                if left >= 0:
+                    d_b = visible_start_host(d_kv, d_q, 0, G, left)
+                    d_b = np.minimum(d_b // tn, d_e // tn) * tn
+                    kv_begin[n0p:].reshape(dreq.size, Hkv)[:] = d_b[:, None]
+            else:
+                kv_end[n0p:].reshape(dreq.size, Hkv)[:] = d_kv[:, None]
             fixed[n0p:].reshape(dreq.size, Hkv)[:] = (d_rows * r_row + o_d)[:, None]
             kinds.append((Kind.DECODE, slice(n0p, n0), r_d))
 
         # ---- pieces of each kind: groups pre-split to <= the kind's work per CTA -----------
         # so each kind reaches every CTA and co-runs with the other on every SM.
-        splits = [self._presplit(kv_end[sl], fixed[sl], rate, self._min_tiles[kind_k])
+        invariant = options.batch_invariant
+        splits = [self._presplit(None if kv_begin is None else kv_begin[sl], kv_end[sl],
+                                 fixed[sl], rate, self._min_tiles[kind_k],
+                                 INVARIANT_SPLIT_TOKENS[kind_k] if invariant else None)
                   for kind_k, sl, rate in kinds]
         if not any(splits):  # (each is None or a tuple)
             # The pieces are the groups (g1 None: piece i is group i), with their KV ranges.
             nch_g = g1 = j1 = None
-            s1, e1, c1 = np.zeros(n0, dtype=np.int64), kv_end, np.empty(n0)
+            s1 = np.zeros(n0, dtype=np.int64) if kv_begin is None else kv_begin
+            e1, c1 = kv_end, np.empty(n0)
             for kind_k, sl, rate in kinds:
-                np.add(fixed[sl], self._span(kind_k, None, kv_end[sl]) * rate, out=c1[sl])
+                b_k = None if kv_begin is None else kv_begin[sl]
+                np.add(fixed[sl], self._span(kind_k, b_k, kv_end[sl]) * rate, out=c1[sl])
             n1p = n0p
         else:
             nch_g = np.ones(n0, dtype=np.int64)  # pieces per group
@@ -970,8 +1109,9 @@ class Planner:
                 e, f, g0 = kv_end[sl], fixed[sl], sl.start
                 if sp is None:
                     z = np.zeros(e.size, dtype=np.int64)
-                    cols.append((np.arange(g0, g0 + e.size), z, z, e,
-                                 f + self._span(kind_k, None, e) * rate))
+                    b_k = z if kv_begin is None else kv_begin[sl]
+                    cols.append((np.arange(g0, g0 + e.size), z, b_k, e,
+                                 f + self._span(kind_k, b_k, e) * rate))
                 else:
                     src, j, s, e2, nch = sp
                     nch_g[sl] = nch
@@ -1018,7 +1158,8 @@ class Planner:
                 self._mt[Kind.PREFILL if n0p else Kind.DECODE]
         # A cut must leave >= min_tiles on both sides: none when no piece under a boundary
         # has 2 * min_tiles (then skip the search).
-        if n1 and (span_t >= 2 * mt).any():
+        # A batch-invariant plan never cuts: a piece's KV range is the request's own.
+        if n1 and not invariant and (span_t >= 2 * mt).any():
             start_i = end[i] - c_i
             k = np.rint((bounds[: i.size] - start_i) / c_i * span_t).astype(np.int64)
             # Boundaries closer than min_tiles under one piece (per-CTA load below
@@ -1054,8 +1195,7 @@ class Planner:
             g, kv_s, kv_e, pc, n = g1, s1, e1, c1, n1
         else:
             kv_e, n = e1[chunk], chunk.size
-            g, kv_s = (chunk, np.zeros(n, dtype=np.int64)) if g1 is None else \
-                (g1[chunk], s1[chunk])
+            g, kv_s = (chunk if g1 is None else g1[chunk]), s1[chunk]
             pc = c[src] if m else c  # each part's cost, the piece's until fixed (below)
         kind = (chunk >= n1p) if both else None  # True: decode
         fix = None  # the parts next to a cut, whose costs are their own
@@ -1121,9 +1261,12 @@ class Planner:
             slot = first_slot[g] + loc
         cap = self.capacity
         if n > cap.items or num_merge > cap.merges or num_slots > cap.slots:
-            raise AssertionError("podcute planner exceeded its capacity bound "
-                                 f"({n}/{cap.items} items, {num_merge}/{cap.merges} merges, "
-                                 f"{num_slots}/{cap.slots} slots)")
+            if not invariant:
+                raise AssertionError("podcute planner exceeded its capacity bound "
+                                     f"({n}/{cap.items} items, {num_merge}/{cap.merges} "
+                                     f"merges, {num_slots}/{cap.slots} slots)")
+            # Fixed-size splits grow with the KV lengths, which no capacity bounds.
+            self._grow_splits(n, num_merge, num_slots)
 
         # ---- write the metadata -------------------------------------------------------------
         self._sync_staging()
@@ -1160,6 +1303,11 @@ class Planner:
             ordinal = before[:-1] - np.repeat(before[ptr[:-1]], np.diff(ptr))
             kind_col[dec] |= (ordinal[dec] << KIND_BITS).astype(np.int32)
         hs["params"][Param.SM_SCALE] = sm_scale
+        if options.softcap > 0:
+            hs["params"][Param.SOFTCAP_SCALE] = sm_scale / options.softcap
+            hs["params"][Param.SOFTCAP] = options.softcap
+        hs["iparams"][IParam.WINDOW_LEFT] = left
+        hs["iparams"][IParam.WINDOW_RIGHT] = right
         hs["cta_ptr"][:] = ptr
         hs["q_start"][: B + 1] = cu
         hs["kv_len"][:B] = kvl
@@ -1191,7 +1339,7 @@ class Planner:
         summary = PlanSummary._lazy(lambda: self._summary_values(
             counts, costs()[1:], kind, n, n0d))
         return Plan(
-            config=cfg, causal=bool(causal), sm_scale=sm_scale,
+            config=cfg, causal=bool(causal), sm_scale=sm_scale, options=options,
             total_q=total_q, batch_size=B, num_items=n, num_merge=num_merge,
             num_slots=num_slots, grid=grid, max_page_index=max_page_index,
             buffer_epoch=self.buffer_epoch, summary=summary, kernel_args=self.kernel_args,

@@ -3,11 +3,13 @@
 Slow but exact enough to judge the kernels: every request gathers only its own pages,
 sliced to `kv_len`, so garbage elsewhere in the pool (even NaN) cannot leak, and all
 heads of a request go through one batched matmul (GQA by reshaping, no K/V copies per
-query head). Works on any device.
+query head). Works on any device. Sliding windows, logit soft-capping and attention
+sinks (docs/contract.md, "Model features") are masks and terms on the same scores.
 """
 
 import contextlib
 import math
+import numbers
 
 import torch
 
@@ -49,24 +51,82 @@ def _gather_tokens(cache, pages, kv_len, kv_layout):
     return g.reshape(-1, g.shape[-2], g.shape[-1])[:kv_len].float()
 
 
-def _attend(q, k, v, first_pos, causal, sm_scale):
+def _attend(q, k, v, first_pos, causal, sm_scale, window=(-1, -1), softcap=0.0, sinks=None):
     """Attention of `q` [m, Hq, D] (query r at position first_pos + r) over `k`, `v`
-    [kv_len, Hkv, D], all float32. Returns out [m, Hq, D] and lse [m, Hq]."""
+    [kv_len, Hkv, D], all float32. `window` is (left, right), -1 unbounded; `softcap`
+    0 is off; `sinks` is None or float32 [Hq]. Returns out [m, Hq, D] and lse [m, Hq]."""
     m, hq, d = q.shape
     kv_len, hkv, _ = k.shape
     g = hq // hkv
+    left, right = window
+    if causal:
+        right = 0  # causal caps any right bound at the query's own position
+    # Keys outside [lo, hi) are masked for every row of this chunk: skip them. Without a
+    # window nothing is cut (the matmul keeps the shapes it always had).
+    lo, hi = 0, kv_len
+    if left >= 0:
+        lo = min(kv_len, max(0, first_pos - left))
+    if window[1] >= 0:  # the user's right bound; causal alone does not cut
+        hi = max(lo, min(kv_len, first_pos + m + right))
+    if (lo, hi) != (0, kv_len):
+        k, v = k[lo:hi], v[lo:hi]
+    n = hi - lo
     # Rows of one KV head: its G query heads x m tokens, so K/V are used as they are.
     qh = q.reshape(m, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * m, d)
-    s = torch.bmm(qh, k.permute(1, 2, 0)).view(hkv, g, m, kv_len) * sm_scale
-    if causal:
-        pos = torch.arange(first_pos, first_pos + m, device=q.device)
-        keys = torch.arange(kv_len, device=q.device)
-        s = s.masked_fill(keys[None, :] > pos[:, None], float("-inf"))
+    s = torch.bmm(qh, k.permute(1, 2, 0)).view(hkv, g, m, n) * sm_scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    if right >= 0 or left >= 0:  # causal is right == 0 here
+        pos = torch.arange(first_pos, first_pos + m, device=q.device)[:, None]
+        keys = torch.arange(lo, hi, device=q.device)[None, :]
+        hide = None
+        if right >= 0:
+            hide = keys > pos + right  # with causal: keys > pos, exactly as without windows
+        if left >= 0:
+            before = keys < pos - left
+            hide = before if hide is None else hide | before
+        s = s.masked_fill(hide, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)  # -inf for a row that sees no key
-    # Such rows would give exp(-inf - -inf) = NaN; shifting by 0 gives P = 0, O = 0.
+    if sinks is not None:
+        # The sink is one more logit in the normaliser, with no value. logsumexp shifts by
+        # the row max and logaddexp by max(that, sink): stable for any finite sink, and a
+        # row that sees no key gets lse = sink exactly (logaddexp(-inf, x) == x).
+        lse = torch.logaddexp(lse, sinks.reshape(hkv, g, 1))
+    # Rows with lse -inf would give exp(-inf - -inf) = NaN; shifting by 0 gives P = 0, O = 0.
     p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
-    o = torch.bmm(p.view(hkv, g * m, kv_len), v.transpose(0, 1)).view(hkv, g, m, d)
+    o = torch.bmm(p.view(hkv, g * m, n), v.transpose(0, 1)).view(hkv, g, m, d)
     return o.permute(2, 0, 1, 3).reshape(m, hq, d), lse.permute(2, 0, 1).reshape(m, hq)
+
+
+def _check_features(window_size, softcap, sinks, hq, device):
+    """Validated (window, softcap, sinks) for _attend."""
+    if (
+        not isinstance(window_size, (tuple, list))
+        or len(window_size) != 2
+        or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool) for w in window_size)
+        or min(window_size) < -1
+    ):
+        raise ValueError(
+            f"window_size must be a pair (left, right) of ints >= -1 (-1: unbounded), "
+            f"got {window_size!r}"
+        )
+    window = (int(window_size[0]), int(window_size[1]))
+    try:
+        cap = float(softcap)
+    except (TypeError, ValueError):
+        raise ValueError(f"softcap must be a float >= 0 (0: off), got {softcap!r}") from None
+    if not (0.0 <= cap < math.inf):  # also refuses NaN
+        raise ValueError(f"softcap must be a finite float >= 0 (0: off), got {softcap!r}")
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point():
+            raise ValueError(f"sinks must be None or a float tensor of shape [{hq}]")
+        if tuple(sinks.shape) != (hq,):
+            raise ValueError(
+                f"sinks must have shape [Hq] = [{hq}] (one logit per query head), "
+                f"got {list(sinks.shape)}"
+            )
+        sinks = sinks.to(device=device, dtype=torch.float32)
+    return window, cap, sinks
 
 
 def pod_attention_reference(
@@ -83,6 +143,9 @@ def pod_attention_reference(
     sm_scale=None,
     kv_layout="NHD",
     return_lse=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    sinks=None,
 ):
     """Paged attention of a mixed prefill/decode batch, computed in float32.
 
@@ -93,8 +156,16 @@ def pod_attention_reference(
     bottom-right aligned). Returns out [total_q, Hq, D] in q's dtype, and with
     `return_lse` also the natural-log LSE [total_q, Hq] float32.
 
-    A row that sees no key (kv_len == 0, or causal with q_len > kv_len, which the API
-    rejects) gets out 0 and lse -inf; so do rows of q that no request covers.
+    Model features (docs/contract.md, "Model features"): `window_size=(left, right)`,
+    ints, -1 unbounded, FlashAttention's convention: the query at position p sees keys
+    p - left <= t <= p + right (with causal also t <= p). `softcap` > 0 turns each
+    score s = sm_scale * q.k into softcap * tanh(s / softcap) before masking. `sinks`
+    [Hq] adds exp(sinks[h]) to the softmax denominator (a key with no value, not
+    soft-capped); lse is then the full normaliser log(sum_t exp(s_t) + exp(sink)).
+
+    A row that sees no key (kv_len == 0, causal with q_len > kv_len, which the API
+    rejects, or a window that excludes every key) gets out 0 and lse -inf (lse = sink
+    with sinks); rows of q that no request covers get 0 and -inf.
     Only the minimum is validated here; the API validates its inputs fully.
     """
     if kv_layout not in ("NHD", "HND"):
@@ -109,6 +180,7 @@ def pod_attention_reference(
         raise ValueError("the number of query heads must be a multiple of the KV heads")
     page_size = k_cache.shape[1] if kv_layout == "NHD" else k_cache.shape[2]
     scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+    window, cap, sinks = _check_features(window_size, softcap, sinks, hq, q.device)
 
     # One host sync per metadata tensor, not per request.
     q_starts = cu_seqlens_q.tolist()
@@ -131,7 +203,15 @@ def pod_attention_reference(
             for c0 in range(q0, q1, chunk):
                 c1 = min(q1, c0 + chunk)
                 o_c, lse_c = _attend(
-                    q[c0:c1].float(), k, v, first_pos + (c0 - q0), causal, scale
+                    q[c0:c1].float(),
+                    k,
+                    v,
+                    first_pos + (c0 - q0),
+                    causal,
+                    scale,
+                    window=window,
+                    softcap=cap,
+                    sinks=sinks,
                 )
                 out[c0:c1] = o_c
                 lse[c0:c1] = lse_c

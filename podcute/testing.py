@@ -52,13 +52,15 @@ class Batch:
             kw["kv_indices"] = self.kv_indices
         return kw
 
-    def reference(self, causal=True, return_lse=False):
+    def reference(self, causal=True, return_lse=False, **features):
+        """The reference output (features: window_size, softcap, sinks)."""
         return pod_attention_reference(
             self.q,
             self.k_cache,
             self.v_cache,
             causal=causal,
             return_lse=return_lse,
+            **features,
             **self.kwargs(),
         )
 
@@ -203,3 +205,77 @@ def random_lengths(
         reqs.append((rng.randint(1, cap), kv))
     rng.shuffle(reqs)
     return [r[0] for r in reqs], [r[1] for r in reqs]
+
+
+# ---- the model-feature GPU cases (tests/test_kernel_gpu.py; perf.warm_cache compiles
+# their variants ahead of a device run) ---------------------------------------------------
+
+# check() defaults: 8 query heads over 2 KV heads, head_dim 128, page 16, bf16, causal.
+CHECK_DEFAULTS = dict(hq=8, hkv=2, d=128, page=16, dtype=torch.bfloat16, causal=True,
+                      window_size=(-1, -1), softcap=0.0, sinks=False)
+
+FEATURE_CASES = [
+    # window (left, 0) with causal: shorter and longer than the requests
+    dict(window_size=(0, 0)), dict(window_size=(1, -1)), dict(window_size=(37, 0)),
+    dict(window_size=(128, 0), page=128), dict(window_size=(1000, 0), page=1),
+    dict(window_size=(100000, 0)),
+    # non-causal windows: both edges, right only, left only
+    dict(causal=False, window_size=(100, 50)), dict(causal=False, window_size=(-1, 20)),
+    dict(causal=False, window_size=(300, -1), page=128), dict(causal=False, window_size=(0, 0)),
+    # soft cap, sinks, and together (with a window)
+    dict(softcap=30.0), dict(softcap=5.0, sinks=True, page=128, hq=32, hkv=4),
+    dict(sinks=True, page=1, hq=8, hkv=8), dict(sinks=True, causal=False),
+    dict(softcap=20.0, sinks=True, window_size=(64, 0), page=32, hq=28, hkv=4),
+    # head_dim 96 on every page class, and with every feature
+    dict(d=96, page=16), dict(d=96, page=128, dtype=torch.float16), dict(d=96, page=1),
+    dict(d=96, page=64, layout="HND", fmt="csr"), dict(d=96, page=8, hq=16, hkv=2),
+    dict(d=96, page=256, hq=8, hkv=1), dict(d=96, page=32, causal=False, interleaved=True),
+    dict(d=96, window_size=(200, 0), softcap=30.0, sinks=True),
+    # GQA groups 1-8 and MQA with a window and sinks
+    dict(hq=4, hkv=4, window_size=(256, 0), sinks=True),
+    dict(hq=12, hkv=4, window_size=(256, 0), sinks=True),
+    dict(hq=40, hkv=5, window_size=(256, 0), sinks=True, page=128),
+    dict(hq=32, hkv=1, window_size=(256, 0), sinks=True),
+    dict(d=64, window_size=(90, 0), softcap=10.0, page=1),
+]
+
+# Extra feature checks of the GPU tests (split KV, rows that see nothing, invariance).
+EXTRA_FEATURE_CASES = [
+    dict(window_size=(500, 0), sinks=True), dict(sinks=True, softcap=15.0),
+    dict(window_size=(3000, 0)), dict(causal=False, window_size=(-1, 0), sinks=True),
+    dict(hq=32, hkv=8, window_size=(4096, 0), sinks=True),
+    dict(hq=32, hkv=8, window_size=(4096, 0), sinks=True, page=128),
+]
+
+# Random feature tests draw one model's feature set (its window edges re-drawn): Gemma 2/3
+# (window + soft cap, soft cap), gpt-oss (window + sinks, sinks), Mistral (window), none.
+RANDOM_FEATURE_PRESETS = {
+    True: [dict(window_size=(1, 0), softcap=30.0), dict(softcap=30.0),
+           dict(window_size=(1, 0), sinks=True), dict(sinks=True), dict(window_size=(1, 0)),
+           dict()],
+    False: [dict(window_size=(1, 1)), dict(window_size=(1, -1)), dict(window_size=(-1, 1)),
+            dict(sinks=True), dict()],
+}
+RANDOM_FEATURE_SHAPES = dict(heads=[(8, 2), (32, 4)], head_dims=[96, 128], pages=[1, 16, 128])
+
+
+def feature_test_variants():
+    """KernelConfig.select keyword arguments of every variant the feature GPU tests run."""
+    from podcute.plan import PlanOptions
+
+    def variant(c):
+        c = dict(CHECK_DEFAULTS, **c)
+        flags = PlanOptions.make(c["causal"], c["window_size"], c["softcap"]).kernel_flags()
+        return dict(dtype=str(c["dtype"]).replace("torch.", ""), head_dim=c["d"],
+                    group=c["hq"] // c["hkv"], has_lse=True, page_size=c["page"],
+                    has_sinks=bool(c["sinks"]), **flags)
+
+    cases = list(FEATURE_CASES) + EXTRA_FEATURE_CASES
+    for causal, presets in RANDOM_FEATURE_PRESETS.items():
+        for preset in presets:
+            for hq, hkv in RANDOM_FEATURE_SHAPES["heads"]:
+                for d in RANDOM_FEATURE_SHAPES["head_dims"]:
+                    for page in RANDOM_FEATURE_SHAPES["pages"]:
+                        cases.append(dict(preset, causal=causal, hq=hq, hkv=hkv, d=d,
+                                          page=page))
+    return [variant(c) for c in cases]

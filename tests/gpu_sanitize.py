@@ -18,10 +18,11 @@ from podcute import PODAttention
 from podcute.testing import make_batch
 
 
-def check(attn, b, causal, name):
+def check(attn, b, causal, name, **features):
+    sinks = features.pop("sinks", None)
     out = torch.full_like(b.q, float("nan"))
-    out, lse = attn.run(b.q, b.k_cache, b.v_cache, out=out, return_lse=True)
-    ref = b.reference(causal=causal)
+    out, lse = attn.run(b.q, b.k_cache, b.v_cache, out=out, return_lse=True, sinks=sinks)
+    ref = b.reference(causal=causal, sinks=sinks, **features)
     torch.cuda.synchronize()
     rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
     ok = rel < 5e-3 and not out.isnan().any()
@@ -41,16 +42,33 @@ def main(small: bool) -> int:
         ("tma p128 non-causal tail", 16, 2, 128, 128, "table", False,
          [1, 130, 3], [4000 // s, 300, 77]),
         ("tma p128 D64 decode-only", 32, 4, 64, 128, "csr", True, [1] * 6, [9000 // s] * 6),
+        # model features: head_dim 96 on each page class; window + soft cap + sinks
+        # with splits (the merge adds the sink)
+        ("D96 p16 mixed+splits", 8, 2, 96, 16, "table", True,
+         [300 // s, 1, 1, 5, 0, 1, 8], [700, 64, 1, 900, 17, 8000 // s, 8]),
+        ("D96 p1 csr non-causal", 8, 8, 96, 1, "csr", False, [1, 2, 200 // s], [3000 // s, 40, 500]),
+        ("D96 p128 tail", 16, 2, 96, 128, "table", True, [1, 130, 3], [4000 // s, 300, 77]),
+        ("window+softcap+sinks p16", 8, 2, 128, 16, "table", True,
+         [300 // s, 1, 1, 5, 0, 1, 8], [700, 64, 1, 900, 17, 8000 // s, 8],
+         dict(window_size=(200, 0), softcap=20.0, sinks=True)),
+        ("window+sinks p8 non-causal", 8, 2, 128, 8, "csr", False,
+         [1, 40, 3], [6000 // s, 30, 900], dict(window_size=(100, 16), sinks=True)),
+        ("window+softcap p128", 16, 2, 128, 128, "table", True, [1, 130, 3], [4000 // s, 300, 77],
+         dict(window_size=(64, 0), softcap=30.0)),
     ]
     ok = True
-    for name, hq, hkv, d, page, fmt, causal, ql, kl in cases:
+    for name, hq, hkv, d, page, fmt, causal, ql, kl, *feat in cases:
+        features = dict(feat[0]) if feat else {}
+        if features.get("sinks"):
+            features["sinks"] = torch.randn(hq, device="cuda")
         attn = PODAttention(hq, hkv, d, page, device="cuda")
         b = make_batch(ql, kl, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page,
                        device="cuda", page_format=fmt, seed=7)
         pages = (dict(block_table=b.block_table) if fmt == "table"
                  else dict(kv_indptr=b.kv_indptr, kv_indices=b.kv_indices))
-        attn.plan(b.cu_seqlens_q, b.seqused_k, causal=causal, **pages)
-        ok &= check(attn, b, causal, name)
+        plan_kw = {k: v for k, v in features.items() if k != "sinks"}
+        attn.plan(b.cu_seqlens_q, b.seqused_k, causal=causal, **pages, **plan_kw)
+        ok &= check(attn, b, causal, name, **features)
 
     # Graph captured with a no-split plan, replayed after a plan with splits (issue 8).
     attn = PODAttention(4, 4, 64, 16, dtype=torch.float16, device="cuda",

@@ -71,7 +71,7 @@ def test_constructor_errors():
     with raises(ValueError, "num_qo_heads", "num_kv_heads"):
         PODAttention(12, 8, D, PS, device="cpu")
     with raises(ValueError, "head_dim"):
-        PODAttention(HQ, HKV, 96, PS, device="cpu")
+        PODAttention(HQ, HKV, 80, PS, device="cpu")
     with raises(ValueError, "page_size"):
         PODAttention(HQ, HKV, D, 3, device="cpu")
     with raises(ValueError, "kv_layout"):
@@ -321,9 +321,9 @@ def test_one_shot_errors_and_no_hopper():
     with raises(TypeError, "q", "bfloat16"):
         pod_attention(g["q"].float(), g["k"], g["v"], **kw)
     with raises(ValueError, "head_dim"):
-        pod_attention(torch.randn(21, HQ, 96, dtype=torch.bfloat16),
-                      torch.randn(8, PS, HKV, 96, dtype=torch.bfloat16),
-                      torch.randn(8, PS, HKV, 96, dtype=torch.bfloat16), **kw)
+        pod_attention(torch.randn(21, HQ, 80, dtype=torch.bfloat16),
+                      torch.randn(8, PS, HKV, 80, dtype=torch.bfloat16),
+                      torch.randn(8, PS, HKV, 80, dtype=torch.bfloat16), **kw)
     with raises(ValueError, "page_size"):
         pod_attention(g["q"], g["k"][:, :3], g["v"][:, :3], **kw)
     with raises(ValueError, "heads"):

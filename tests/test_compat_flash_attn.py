@@ -125,7 +125,7 @@ def test_bad_values_are_named():
         flash_attn_varlen_func(b["q"].float(), b["k"], b["v"], 20, b["cu"], 40,
                                seqused_k=b["kvl"], block_table=b["bt"])
     with pytest.raises(ValueError, match="head_dim"):
-        flash_attn_varlen_func(b["q"][..., :96], b["k"][..., :96], b["v"][..., :96], 20,
+        flash_attn_varlen_func(b["q"][..., :80], b["k"][..., :80], b["v"][..., :80], 20,
                                b["cu"], 40, seqused_k=b["kvl"], block_table=b["bt"])
 
 

@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from podcute import PODAttention
-from podcute.testing import make_batch
+from podcute.reference import pod_attention_reference
+from podcute.testing import (EXTRA_FEATURE_CASES, FEATURE_CASES, RANDOM_FEATURE_PRESETS,
+                             RANDOM_FEATURE_SHAPES, make_batch)
 
 pytestmark = pytest.mark.gpu
 
@@ -49,7 +51,9 @@ def _wrapper(hq, hkv, d, page, dtype, layout):
 
 def check(name, q_lens, kv_lens, *, hq=8, hkv=2, d=128, page=16, dtype=torch.bfloat16,
           layout="NHD", fmt="table", causal=True, interleaved=False, strided_q=False,
-          seed=0, pad_rows=0):
+          seed=0, pad_rows=0, window_size=(-1, -1), softcap=0.0, sinks=False,
+          batch_invariant=False):
+    """One batch against the reference; `sinks` True draws random per-head sink logits."""
     b = make_batch(q_lens, kv_lens, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d,
                    page_size=page, dtype=dtype, device="cuda", kv_layout=layout,
                    page_format=fmt, interleaved=interleaved, strided_q=strided_q, seed=seed)
@@ -58,18 +62,25 @@ def check(name, q_lens, kv_lens, *, hq=8, hkv=2, d=128, page=16, dtype=torch.bfl
     kvl = torch.tensor(kv_lens, dtype=torch.int32)
     pages = (dict(block_table=b.block_table) if fmt == "table"
              else dict(kv_indptr=b.kv_indptr, kv_indices=b.kv_indices))
-    attn.plan(cu, kvl, causal=causal, **pages)
+    attn.plan(cu, kvl, causal=causal, window_size=window_size, softcap=softcap,
+              batch_invariant=batch_invariant, **pages)
+    sink_t = None
+    if sinks:
+        g = torch.Generator(device="cuda").manual_seed(seed + 7)
+        sink_t = torch.randn(hq, generator=g, device="cuda") * 2.0
     q, n = b.q, b.q.shape[0]
     if pad_rows:  # an engine's padded token count: rows past cu_seqlens_q[-1]
         q = torch.cat([b.q, torch.full((pad_rows, *b.q.shape[1:]), float("nan"),
                                        dtype=dtype, device="cuda")])
     out = torch.full_like(q, float("nan"))
-    out, lse = attn.run(q, b.k_cache, b.v_cache, out=out, return_lse=True)
+    out, lse = attn.run(q, b.k_cache, b.v_cache, out=out, return_lse=True, sinks=sink_t)
     # Again into fresh poison: split groups merge in-kernel behind per-group semaphores,
     # which must be back at zero for the next launch (and for CUDA-graph replays).
     again = torch.full_like(q, float("nan"))
-    again, lse_again = attn.run(q, b.k_cache, b.v_cache, out=again, return_lse=True)
-    ref, ref_lse = b.reference(causal=causal, return_lse=True)
+    again, lse_again = attn.run(q, b.k_cache, b.v_cache, out=again, return_lse=True,
+                                sinks=sink_t)
+    ref, ref_lse = b.reference(causal=causal, return_lse=True, window_size=window_size,
+                               softcap=softcap, sinks=sink_t)
     torch.cuda.synchronize()
     assert out[n:].isnan().all(), f"{name}: padding rows written"
     out, lse, again, lse_again = out[:n], lse[:n], again[:n], lse_again[:n]
@@ -153,3 +164,132 @@ def test_random_mixed(seed):
     check(f"random {seed}", q_lens, kv_lens, page=rng.choice([1, 8, 16, 32, 64, 128, 256]),
           fmt=rng.choice(["table", "csr"]), interleaved=rng.random() < 0.3,
           strided_q=rng.random() < 0.3, seed=seed, pad_rows=rng.choice([0, 0, 0, 7]))
+
+
+# ---- model features: head_dim 96, sliding window, soft-capping, sinks ----------------
+
+@pytest.mark.parametrize("cfg", FEATURE_CASES,
+                         ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_features_mixed(cfg):
+    check(f"features {cfg}", *MIXED, **cfg)
+
+
+@pytest.mark.parametrize("cfg", EXTRA_FEATURE_CASES[:3])
+def test_features_split_kv(cfg):
+    # Long decodes and a long prefill split their KV: partials never hold the sink, the
+    # merge adds it once; the window bounds every split's range.
+    check(f"split {cfg}", [1, 1, 2, 700], [32768, 20000, 9000, 30000], **cfg)
+
+
+def test_rows_that_see_nothing_get_the_sink():
+    # Non-causal with a right edge and q_len > kv_len: early rows see no key (out 0,
+    # lse = the sink's logit); kv_len 0 too.
+    check("nothing", [3, 40, 2], [0, 10, 50], causal=False, window_size=(-1, 0), sinks=True)
+
+
+NUM_FEATURE_RANDOM = int(os.environ.get("PODCUTE_GPU_FEATURE_RANDOM", "60"))
+
+
+@pytest.mark.parametrize("seed", range(NUM_FEATURE_RANDOM))
+def test_random_features(seed):
+    rng = random.Random(1000 + seed)
+    n = rng.randint(1, 16)
+    causal = rng.random() < 0.75
+    q_lens, kv_lens = [], []
+    for _ in range(n):
+        kv = rng.choice([rng.randint(1, 300), rng.randint(1, 5000), rng.randint(1, 20000)])
+        q = rng.choice([0, 1, 1, rng.randint(1, 8), rng.randint(1, 1200)])
+        q_lens.append(min(kv, q) if causal else q)
+        kv_lens.append(kv)
+    if sum(q_lens) == 0:
+        q_lens[0] = 1
+    preset = dict(rng.choice(RANDOM_FEATURE_PRESETS[causal]))
+    if "window_size" in preset:  # a random window of the preset's shape
+        left, right = preset["window_size"]
+        preset["window_size"] = (rng.choice([0, 16, 128, 700, 4096]) if left >= 0 else -1,
+                                 rng.choice([0, 64]) if right >= 0 else -1)
+    hq, hkv = rng.choice(RANDOM_FEATURE_SHAPES["heads"])
+    check(f"random features {seed} {preset}", q_lens, kv_lens, hq=hq, hkv=hkv,
+          d=rng.choice(RANDOM_FEATURE_SHAPES["head_dims"]),
+          page=rng.choice(RANDOM_FEATURE_SHAPES["pages"]), causal=causal,
+          fmt=rng.choice(["table", "csr"]), seed=seed, **preset)
+
+
+# ---- batch invariance ---------------------------------------------------------------
+
+
+def _build(reqs, page, hkv, d, dtype, gen):
+    """Caches (NaN pool, pages in random order) and a block table for requests given as
+    (q, k, v) tensors; returns (q, k_cache, v_cache, cu, kv_lens, block_table)."""
+    n_pages = [-(-k.shape[0] // page) for _, k, _ in reqs]
+    total = max(1, 2 * sum(n_pages))
+    perm = torch.randperm(total, generator=gen, device="cuda")
+    k_cache = torch.full((total, page, hkv, d), float("nan"), dtype=dtype, device="cuda")
+    v_cache = torch.full_like(k_cache, float("nan"))
+    table = torch.zeros(len(reqs), max(1, max(n_pages)), dtype=torch.int32)
+    at = 0
+    for i, (_, k, v) in enumerate(reqs):
+        pages = perm[at: at + n_pages[i]]
+        at += n_pages[i]
+        table[i, : n_pages[i]] = pages.cpu().to(torch.int32)
+        for j, p in enumerate(pages.tolist()):
+            n = min(page, k.shape[0] - j * page)
+            k_cache[p, :n] = k[j * page: j * page + n]
+            v_cache[p, :n] = v[j * page: j * page + n]
+    q = torch.cat([q for q, _, _ in reqs])
+    cu = torch.tensor([0] + [q.shape[0] for q, _, _ in reqs], dtype=torch.int32).cumsum(
+        0, dtype=torch.int32)
+    kvl = torch.tensor([k.shape[0] for _, k, _ in reqs], dtype=torch.int32)
+    return q, k_cache, v_cache, cu, kvl, table
+
+
+@pytest.mark.parametrize("page", [16, 128])
+def test_batch_invariant_bitwise(page):
+    """The same requests in >= 20 batches (other companions, orders, lengths, and a
+    planner for another SM count) give bitwise-identical out and lse."""
+    from podcute.plan import Planner
+
+    hq, hkv, d, dtype = 32, 8, 128, torch.bfloat16
+    gen = torch.Generator(device="cuda").manual_seed(page)
+
+    def request(q_len, kv_len):
+        return (torch.randn(q_len, hq, d, generator=gen, device="cuda", dtype=dtype),
+                torch.randn(kv_len, hkv, d, generator=gen, device="cuda", dtype=dtype),
+                torch.randn(kv_len, hkv, d, generator=gen, device="cuda", dtype=dtype))
+
+    # A long prefill (split by the fixed size), a short one, a long decode (split), a
+    # speculative decode, a plain decode.
+    probes = [request(*s) for s in ((1500, 12000), (300, 300), (1, 30000), (4, 5000), (1, 77))]
+    sinks = torch.randn(hq, generator=gen, device="cuda")
+    seen = None
+    rng = random.Random(page)
+    for trial in range(22):
+        companions = [request(rng.choice([1, 1, 3, rng.randint(1, 2000)]),
+                              rng.randint(2000, 20000)) for _ in range(rng.randint(0, 12))]
+        reqs = [(i, r) for i, r in enumerate(probes)] + [(None, r) for r in companions]
+        rng.shuffle(reqs)
+        q, k_cache, v_cache, cu, kvl, table = _build([r for _, r in reqs], page, hkv, d,
+                                                       dtype, gen)
+        attn = PODAttention(hq, hkv, d, page, dtype=dtype, device="cuda", max_batch_size=64,
+                            max_num_tokens=32768)
+        if trial % 3 == 2:  # another SM count: another grid
+            attn.planner = Planner(hq, hkv, d, page, device="cuda", max_batch_size=64,
+                                   max_num_tokens=32768, num_sms=rng.choice([7, 61, 100]))
+        attn.plan(cu, kvl, block_table=table, window_size=(4096, 0), batch_invariant=True)
+        out = torch.full_like(q, float("nan"))
+        out, lse = attn.run(q, k_cache, v_cache, out=out, return_lse=True, sinks=sinks)
+        rows = {}
+        for pos, (i, _) in enumerate(reqs):
+            if i is not None:
+                rows[i] = (out[cu[pos]: cu[pos + 1]].clone(), lse[cu[pos]: cu[pos + 1]].clone())
+        if seen is None:
+            seen = rows
+            ref, ref_lse = pod_attention_reference(
+                q, k_cache, v_cache, cu_seqlens_q=cu.cuda(), seqused_k=kvl.cuda(),
+                block_table=table.cuda(), window_size=(4096, 0), sinks=sinks,
+                return_lse=True)
+            rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+            assert rel <= TOL[dtype], f"invariant plan: rel L2 {rel:.2e}"
+        for i, (o, l) in rows.items():
+            assert torch.equal(o, seen[i][0]) and torch.equal(l, seen[i][1]), \
+                f"trial {trial}: request {i}'s output changed with its batch"

@@ -82,12 +82,20 @@ def check_plan(plan, q_lens, kv_lens, page_limit):
     assert (rs >= 0).all() and (re > rs).all() and (re <= rows[req]).all()
     assert (re - rs <= np.where(dec, tm_d, tm_p)).all()
     assert (rs[~dec] % tm_p == 0).all() and (rs[dec] == 0).all()  # tiles start on boundaries
-    # KV range: tile-aligned start, non-empty unless the visible range is empty, causal.
+    # KV range: tile-aligned start, non-empty unless the visible range is empty, causal,
+    # inside the window (from the tile holding the first row's first key).
     q, kvl = q_lens[req], kv_lens[req]
-    limit = np.minimum(kvl, kvl - q + (re - 1) // G + 1) if plan.causal else kvl
-    assert (ks % tn == 0).all() and (ks >= 0).all()
+    opt = plan.options
+    limit = kvl
+    if opt.bounded_right:
+        limit = np.minimum(kvl, np.maximum(0, kvl - q + (re - 1) // G + 1 + opt.right))
+    start = np.zeros_like(kvl)
+    if opt.window_left >= 0:
+        first = np.clip(kvl - q + rs // G - opt.window_left, 0, kvl)
+        start = np.minimum(first // tn, limit // tn) * tn
+    assert (ks % tn == 0).all() and (ks >= start).all()
     assert (ke <= limit).all() and (ke <= kvl).all()
-    assert ((ke > ks) | ((ks == 0) & (limit == 0))).all()
+    assert ((ke > ks) | ((ks == start) & (limit <= start))).all()
     # Pages: the tokens an item reads lie in the request's first pages, all of which
     # the page source provides.
     assert (-(-ke // ps) <= plan.needed_pages[req]).all()
@@ -95,7 +103,7 @@ def check_plan(plan, q_lens, kv_lens, page_limit):
 
     # Unsplit items cover their group's whole KV range.
     un = slot < 0
-    assert (ks[un] == 0).all() and (ke[un] == limit[un]).all()
+    assert (ks[un] == start[un]).all() and (ke[un] == limit[un]).all()
 
     # Split groups: slots 0..num_slots-1 each used once; a merge row's slots are exactly
     # its pieces, whose KV ranges tile [0, limit) in order.
@@ -113,7 +121,7 @@ def check_plan(plan, q_lens, kv_lens, page_limit):
         assert (rs[items] == mrs).all() and (re[items] == mre).all()
         order = np.argsort(ks[items])
         a, b = ks[items][order], ke[items][order]
-        assert a[0] == 0 and b[-1] == limit[items[0]] and (a[1:] == b[:-1]).all()
+        assert a[0] == start[items[0]] and b[-1] == limit[items[0]] and (a[1:] == b[:-1]).all()
 
     # Every (query token, query head) is covered exactly once.
     total_q = int(q_lens.sum())
@@ -182,6 +190,74 @@ def test_plan_invariants(b):
     assert s.num_requests == len(q_lens)
     assert s.num_prefill_items + s.num_decode_items == plan.num_items
     assert s.num_merges == plan.num_merge and s.num_split_items == plan.num_slots
+
+
+WINDOWS = st.sampled_from([(-1, -1), (0, 0), (5, -1), (100, 0), (1000, 7), (-1, 30),
+                           (4096, 0), (70000, 0)])
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batches(), WINDOWS, st.booleans())
+def test_plan_invariants_with_window(b, window, invariant):
+    """Windowed plans load no tile left of every row's window nor right of its limit,
+    still cover every row once; batch-invariant plans too."""
+    hq, hkv, d, ps, causal, q_lens, kv_lens, fmt, seed = b
+    rng = np.random.default_rng(seed)
+    cu, kvl, pages = lengths_to_inputs(q_lens, kv_lens, ps, fmt, rng)
+    plan = planner(hq, hkv, d, ps).plan(cu, kvl, causal=causal, window_size=window,
+                                        batch_invariant=invariant, **pages)
+    check_plan(plan, q_lens, kv_lens, page_limits(pages, kv_lens, ps))
+
+
+def test_window_costs_scale_with_the_window():
+    # A long prefill with a short window is O(q_len * window) in the cost model.
+    cu = torch.tensor([0, 16384], dtype=torch.int32)
+    kvl = torch.tensor([16384], dtype=torch.int32)
+    bt = torch.arange(1024, dtype=torch.int32).view(1, -1)
+    p = planner(32, 8, 128, 16)
+    full = p.plan(cu, kvl, block_table=bt).summary.predicted_us
+    win = p.plan(cu, kvl, block_table=bt, window_size=(512, 0)).summary.predicted_us
+    assert win < full / 6, (win, full)
+
+
+def _items_by_request(plan, req_ids):
+    """{request id: sorted (kv head, rows, KV range, split) of its work items}."""
+    work = plan.work.numpy()
+    out = {}
+    for row in work:
+        r = int(row[WorkCol.REQ])
+        if r in req_ids:
+            out.setdefault(req_ids[r], []).append(
+                (int(row[WorkCol.KV_HEAD]), int(row[WorkCol.ROW_START]), int(row[WorkCol.ROW_END]),
+                 int(row[WorkCol.KV_START]), int(row[WorkCol.KV_END]),
+                 int(row[WorkCol.SPLIT_SLOT]) >= 0))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def test_batch_invariant_items_depend_on_the_request_alone():
+    """Every work item of a request (rows, KV range, split or not) is the same in any
+    batch and on any grid size; the default plan does depend on the batch."""
+    probes = [(1500, 40000), (1, 100000), (3, 5000), (1, 64), (700, 700)]
+    rng = np.random.default_rng(0)
+    seen, default_differs = None, False
+    for trial in range(20):
+        comp = [(int(rng.choice([1, 2, 900])), int(rng.integers(1000, 60000)))
+                for _ in range(int(rng.integers(0, 30)))]
+        reqs = [(i, r) for i, r in enumerate(probes)] + [(None, r) for r in comp]
+        order = rng.permutation(len(reqs))
+        reqs = [reqs[k] for k in order]
+        q_lens = [r[0] for _, r in reqs]
+        kv_lens = [r[1] for _, r in reqs]
+        ids = {pos: i for pos, (i, _) in enumerate(reqs) if i is not None}
+        cu, kvl, pages = lengths_to_inputs(q_lens, kv_lens, 16, "table", rng)
+        p = planner(32, 8, 128, 16, num_sms=int(rng.choice([132, 61, 7])))
+        items = _items_by_request(p.plan(cu, kvl, batch_invariant=True, **pages), ids)
+        default = _items_by_request(p.plan(cu, kvl, **pages), ids)
+        if seen is None:
+            seen, seen_default = items, default
+        assert items == seen, f"trial {trial}"
+        default_differs |= default != seen_default
+    assert default_differs
 
 
 @settings(max_examples=60, deadline=None)

@@ -1,6 +1,7 @@
 """The float32 reference against an independent float64 oracle that walks the pages
 token by token, written straight from docs/contract.md; plus make_batch's promises."""
 
+import dataclasses
 import math
 import random
 
@@ -14,8 +15,24 @@ from podcute import pod_attention_reference
 from podcute.testing import make_batch, random_lengths
 
 
-def oracle(batch, causal=True, sm_scale=None):
-    """float64 out [total_q, Hq, D] and lse [total_q, Hq], one token and head at a time."""
+def contract_keys(kv_len, q_len, j, causal, window=(-1, -1)):
+    """The keys query j sees, word for word from docs/contract.md."""
+    p = kv_len - q_len + j
+    left, right = window
+    return [
+        t
+        for t in range(kv_len)
+        if (left < 0 or t >= p - left) and (right < 0 or t <= p + right) and (not causal or t <= p)
+    ]
+
+
+def oracle(
+    batch, causal=True, sm_scale=None, window_size=(-1, -1), softcap=0.0, sinks=None, keys_of=None
+):
+    """float64 out [total_q, Hq, D] and lse [total_q, Hq], one token and head at a time.
+    `keys_of(kv_len, q_len, j)` overrides which keys a query sees."""
+    if keys_of is None:
+        keys_of = lambda kv, ql, j: contract_keys(kv, ql, j, causal, window_size)  # noqa: E731
     q = batch.q.double()
     total_q, hq, d = q.shape
     hkv = batch.k_cache.shape[2 if batch.kv_layout == "NHD" else 1]
@@ -42,24 +59,35 @@ def oracle(batch, causal=True, sm_scale=None):
         q_len = cu[i + 1] - cu[i]
         for j in range(q_len):
             row = cu[i] + j
-            visible = min(kv_len, kv_len - q_len + j + 1) if causal else kv_len
+            seen = keys_of(kv_len, q_len, j)
             for h in range(hq):
-                if visible <= 0:
+                sink = -math.inf if sinks is None else float(sinks[h])
+                if not seen and sink == -math.inf:
                     continue
                 kh = h // (hq // hkv)
-                s = torch.stack([keys[t][kh] @ q[row, h] for t in range(visible)]) * scale
-                m = s.max()
-                e = torch.exp(s - m)
-                lse[row, h] = m + torch.log(e.sum())
-                out[row, h] = sum(e[t] * values[t][kh] for t in range(visible)) / e.sum()
+                s = [scale * float(keys[t][kh] @ q[row, h]) for t in seen]
+                if softcap > 0:
+                    s = [softcap * math.tanh(x / softcap) for x in s]
+                m = max(s + [sink])
+                e = [math.exp(x - m) for x in s]
+                total = sum(e) + math.exp(sink - m)
+                lse[row, h] = m + math.log(total)
+                for t, w in zip(seen, e):
+                    out[row, h] += (w / total) * values[t][kh]
     return out, lse
 
 
-def check(batch, causal=True, tol=2e-5):
+def check(batch, causal=True, tol=2e-5, **features):
     out, lse = pod_attention_reference(
-        batch.q, batch.k_cache, batch.v_cache, causal=causal, return_lse=True, **batch.kwargs()
+        batch.q,
+        batch.k_cache,
+        batch.v_cache,
+        causal=causal,
+        return_lse=True,
+        **batch.kwargs(),
+        **features,
     )
-    want_out, want_lse = oracle(batch, causal, batch.sm_scale)
+    want_out, want_lse = oracle(batch, causal, batch.sm_scale, **features)
     assert out.dtype == batch.q.dtype and lse.dtype == torch.float32
     assert out.shape == batch.q.shape and lse.shape == batch.q.shape[:2]
     torch.testing.assert_close(out.double(), want_out, atol=tol, rtol=tol)
@@ -270,3 +298,339 @@ def batches(draw):
 def test_random_batches(case):
     batch, causal = case
     check(batch, causal)
+
+
+# ---------------------------------------------------------------------------------------
+# Model features: sliding window, logit soft-capping, attention sinks (docs/contract.md,
+# "Model features"), each against the float64 oracle above.
+
+
+def random_sinks(hq, seed, scale=2.0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(hq, generator=gen) * scale
+
+
+def reference_of(batch, causal=True, **features):
+    return pod_attention_reference(
+        batch.q,
+        batch.k_cache,
+        batch.v_cache,
+        causal=causal,
+        return_lse=True,
+        **batch.kwargs(),
+        **features,
+    )
+
+
+# (window, whether it hides keys somewhere in the MIXED batch with causal / without).
+WINDOWS = [
+    ((0, -1), True, True),  # causal: the token itself only
+    ((2, -1), True, True),  # left shorter than the prefills
+    ((5, -1), True, True),
+    ((40, -1), False, False),  # left longer than every request
+    ((-1, 0), False, True),  # non-causal: the causal mask again
+    ((-1, 3), False, True),
+    ((0, 0), True, True),
+    ((3, 2), True, True),
+    ((2, 5), True, True),
+    ((40, 40), False, False),
+]
+STORAGE = [("NHD", "table", False), ("HND", "csr", True), ("HND", "table", False)]
+
+
+@pytest.mark.parametrize("window,cuts_causal,cuts_full", WINDOWS)
+@pytest.mark.parametrize("kv_layout,page_format,interleaved", STORAGE)
+@pytest.mark.parametrize("causal", [True, False])
+def test_window(window, cuts_causal, cuts_full, kv_layout, page_format, interleaved, causal):
+    batch = small(kv_layout=kv_layout, page_format=page_format, interleaved=interleaved, seed=11)
+    out, lse = check(batch, causal, window_size=window)
+    plain = batch.reference(causal=causal)
+    assert torch.allclose(out, plain, atol=1e-6) != (cuts_causal if causal else cuts_full)
+
+
+@pytest.mark.parametrize("left", [0, 1, 4, 100])
+@pytest.mark.parametrize("right", [-1, 0, 3])
+def test_causal_window_is_flashinfer_window_left(left, right):
+    """Causal caps the right bound at 0; FlashInfer's window_left=L is (L, 0) + causal:
+    the query at p sees keys max(0, p - L) .. p."""
+    batch = small(page_size=3, seed=12)
+    want = oracle(
+        batch,
+        keys_of=lambda kv, ql, j: list(range(max(0, kv - ql + j - left), kv - ql + j + 1)),
+    )
+    got = reference_of(batch, window_size=(left, right))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.double(), w, atol=2e-5, rtol=2e-5)
+
+
+def test_window_rows_that_see_nothing():
+    # Non-causal, q_len > kv_len with a right bound: rows with p + right < 0 see no key.
+    # Request 0 (q 5, kv 2) sits at p = -3..1; request 1 has kv_len 0; request 2 is decode.
+    batch = small([5, 2, 1], [2, 0, 6], seed=13)
+    for window, empty in (((-1, 0), [0, 1, 2, 5, 6]), ((1, 1), [0, 1, 5, 6]), ((0, 2), [0, 5, 6])):
+        out, lse = check(batch, causal=False, window_size=window)
+        rows = torch.zeros(batch.q.shape[0], dtype=torch.bool)
+        rows[empty] = True
+        assert torch.all(out[rows] == 0) and torch.all(lse[rows] == -math.inf)
+        assert torch.isfinite(lse[~rows]).all() and not out.isnan().any()
+
+
+@pytest.mark.parametrize("softcap", [0.5, 2.0, 30.0])
+@pytest.mark.parametrize("causal", [True, False])
+def test_softcap(softcap, causal):
+    # sm_scale 1 on D = 16: scores have std ~4, so a cap of 0.5 or 2 bends most of them.
+    batch = small(sm_scale=1.0, kv_layout="HND", page_format="csr", seed=14)
+    out, lse = check(batch, causal, softcap=softcap)
+    n_seen = torch.tensor(
+        [
+            len(contract_keys(kv, ql, j, causal))
+            for ql, kv in zip(MIXED_Q, MIXED_KV)
+            for j in range(ql)
+        ],
+        dtype=torch.float32,
+    )
+    assert torch.all(lse <= torch.log(n_seen)[:, None] + softcap + 1e-5)  # |s| < softcap
+    if softcap < 30:
+        assert not torch.allclose(out, batch.reference(causal=causal), atol=1e-3)
+
+
+@pytest.mark.parametrize("sink_scale", [0.5, 3.0])
+@pytest.mark.parametrize("kv_layout,page_format,interleaved", STORAGE)
+@pytest.mark.parametrize("causal", [True, False])
+def test_sinks(sink_scale, kv_layout, page_format, interleaved, causal):
+    batch = small(kv_layout=kv_layout, page_format=page_format, interleaved=interleaved, seed=15)
+    sinks = random_sinks(8, seed=16, scale=sink_scale)
+    out, lse = check(batch, causal, sinks=sinks)
+    plain_out, plain_lse = reference_of(batch, causal)
+    assert torch.all(lse > plain_lse)  # the sink only ever adds to the normaliser
+    # Out is the plain softmax scaled down by the sink's share: exp(plain_lse - lse).
+    torch.testing.assert_close(
+        out, plain_out * torch.exp(plain_lse - lse)[..., None], atol=1e-6, rtol=1e-5
+    )
+
+
+def test_sinks_are_stable_and_minus_inf_is_none():
+    batch = small(seed=17)
+    # exp(100) overflows float32; exp(-100) underflows: both must stay exact.
+    sinks = torch.tensor([100.0, -100.0, 0.0, 30.0, -30.0, 5.0, -5.0, 88.0])
+    out, lse = check(batch, sinks=sinks)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    plain = reference_of(batch)
+    none = reference_of(batch, sinks=torch.full((8,), -math.inf))
+    torch.testing.assert_close(none, plain, atol=0, rtol=0)
+
+
+def test_sinks_rows_that_see_no_key():
+    # kv_len 0 (request 0), and non-causal windowed rows before position 0 (request 1).
+    batch = small([2, 4, 1], [0, 2, 5], seed=18)
+    sinks = random_sinks(8, seed=19)
+    out, lse = check(batch, causal=False, window_size=(-1, 0), sinks=sinks)
+    empty = [0, 1, 2, 3]  # request 1 sits at p = -2..1: its rows p = -2, -1 see nothing
+    assert torch.all(out[empty] == 0)
+    assert torch.equal(lse[empty], sinks.expand(len(empty), 8))
+    assert torch.all(lse[4:] > sinks)
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2), (8, 1)])  # group 1, 4, MQA
+@pytest.mark.parametrize("kv_layout,page_format,interleaved", STORAGE)
+@pytest.mark.parametrize(
+    "causal,window", [(True, (3, -1)), (True, (0, 0)), (False, (2, 1)), (False, (-1, 2))]
+)
+def test_feature_combinations(hq, hkv, kv_layout, page_format, interleaved, causal, window):
+    batch = small(
+        num_qo_heads=hq,
+        num_kv_heads=hkv,
+        kv_layout=kv_layout,
+        page_format=page_format,
+        interleaved=interleaved,
+        strided_q=True,
+        sm_scale=0.8,
+        seed=20 + hq + hkv,
+    )
+    sinks = random_sinks(hq, seed=hq * 10 + hkv)
+    check(batch, causal, window_size=window, softcap=2.5, sinks=sinks)
+    check(batch, causal, window_size=window, softcap=2.5)
+    check(batch, causal, window_size=window, sinks=sinks)
+    check(batch, causal, softcap=2.5, sinks=sinks)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float16, 2e-3)])
+def test_features_in_half_precision(dtype, tol):
+    batch = small(dtype=dtype, seed=21)
+    check(batch, window_size=(2, -1), softcap=4.0, sinks=random_sinks(8, seed=22), tol=tol)
+
+
+def test_features_with_chunked_prefill(monkeypatch):
+    """Each query chunk cuts its own key range [lo, hi) out of the window."""
+    batch = small([40, 7, 1], [50, 30, 30], page_size=16, seed=23)
+    features = dict(window_size=(5, -1), softcap=3.0, sinks=random_sinks(8, seed=24))
+    whole = reference_of(batch, **features)
+    monkeypatch.setattr(reference, "_SCORE_BUDGET", 8 * 50 * 3)  # 3 queries per chunk
+    torch.testing.assert_close(check(batch, **features), whole, atol=1e-6, rtol=1e-6)
+    check(batch, causal=False, window_size=(4, 2), sinks=features["sinks"])
+
+
+def test_garbage_does_not_leak_with_features():
+    nan = small(kv_layout="HND", interleaved=True, strided_q=True, seed=25)
+    big = small(kv_layout="HND", interleaved=True, strided_q=True, seed=25, garbage=1e30)
+    features = dict(window_size=(3, 2), softcap=2.0, sinks=random_sinks(8, seed=26))
+    for causal in (True, False):
+        out, lse = reference_of(nan, causal, **features)
+        assert not out.isnan().any() and not lse.isnan().any()
+        again = reference_of(big, causal, **features)
+        assert torch.equal(out, again[0]) and torch.equal(lse, again[1])
+
+
+def _attend_before_features(q, k, v, first_pos, causal, sm_scale):
+    """reference._attend as it was before the model features, verbatim."""
+    m, hq, d = q.shape
+    kv_len, hkv, _ = k.shape
+    g = hq // hkv
+    qh = q.reshape(m, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * m, d)
+    s = torch.bmm(qh, k.permute(1, 2, 0)).view(hkv, g, m, kv_len) * sm_scale
+    if causal:
+        pos = torch.arange(first_pos, first_pos + m, device=q.device)
+        keys = torch.arange(kv_len, device=q.device)
+        s = s.masked_fill(keys[None, :] > pos[:, None], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    o = torch.bmm(p.view(hkv, g * m, kv_len), v.transpose(0, 1)).view(hkv, g, m, d)
+    return o.permute(2, 0, 1, 3).reshape(m, hq, d), lse.permute(2, 0, 1).reshape(m, hq)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),
+        dict(kv_layout="HND", page_format="csr", interleaved=True, strided_q=True),
+        dict(num_qo_heads=8, num_kv_heads=1, dtype=torch.bfloat16),
+        dict(q_lens=[2, 1, 40], kv_lens=[0, 3, 45], page_size=16),
+    ],
+)
+def test_features_off_is_bitwise_the_old_result(monkeypatch, causal, kw):
+    batch = small(**{"seed": 27, **kw})
+    default = reference_of(batch, causal)
+    explicit = reference_of(batch, causal, window_size=(-1, -1), softcap=0.0, sinks=None)
+
+    def old(q, k, v, first_pos, causal, sm_scale, window, softcap, sinks):
+        assert window == (-1, -1) and softcap == 0.0 and sinks is None
+        return _attend_before_features(q, k, v, first_pos, causal, sm_scale)
+
+    monkeypatch.setattr(reference, "_attend", old)
+    before = reference_of(batch, causal)
+    for got in (default, explicit):
+        assert all(torch.equal(a, b) for a, b in zip(got, before))
+
+
+def _split_in_two(batch):
+    """Two table-format batches with the same queries: the first half of each request's
+    pages (whole pages), and the rest."""
+    assert batch.block_table is not None
+    ps = batch.page_size
+    table = batch.block_table.tolist()
+    kv_a, kv_b, table_b = [], [], []
+    for kv, row in zip(batch.kv_lens, table):
+        n_a = (-(-kv // ps)) // 2
+        kv_a.append(n_a * ps)
+        kv_b.append(kv - n_a * ps)
+        table_b.append(row[n_a:] + row[:n_a])  # entries past the pages are never read
+    i32 = dict(dtype=torch.int32)
+    # Only the lengths and pages the reference reads are replaced (not last_page_len).
+    part_a = dataclasses.replace(batch, seqused_k=torch.tensor(kv_a, **i32), kv_lens=tuple(kv_a))
+    part_b = dataclasses.replace(
+        batch,
+        seqused_k=torch.tensor(kv_b, **i32),
+        kv_lens=tuple(kv_b),
+        block_table=torch.tensor(table_b, **i32),
+    )
+    return part_a, part_b
+
+
+def _merge(parts, sinks=None):
+    """Merge (out, lse) states in float64; `sinks` adds the sink term once."""
+    outs = [o.double() for o, _ in parts]
+    lses = [lse.double() for _, lse in parts]
+    if sinks is not None:
+        lses_all = lses + [sinks.double().expand_as(lses[0])]
+    else:
+        lses_all = lses
+    lse = torch.logsumexp(torch.stack(lses_all), dim=0)
+    shift = torch.where(torch.isinf(lse), 0.0, lse)
+    out = sum(torch.exp(l - shift)[..., None] * o for o, l in zip(outs, lses))
+    return out, lse
+
+
+@pytest.mark.parametrize(
+    "q_lens,kv_lens,causal",
+    [
+        (MIXED_Q, MIXED_KV, False),
+        ([1] * 6, [1, 4, 9, 16, 33, 2], True),  # decode: causal sees every key
+    ],
+)
+@pytest.mark.parametrize("softcap", [0.0, 3.0])
+def test_split_kv_merge_counts_the_sink_once(q_lens, kv_lens, causal, softcap):
+    batch = small(q_lens, kv_lens, seed=28)
+    sinks = random_sinks(8, seed=29)
+    want = reference_of(batch, causal, softcap=softcap, sinks=sinks)
+    oracle_want = oracle(batch, causal, softcap=softcap, sinks=sinks)
+    part_a, part_b = _split_in_two(batch)
+    assert any(kv > 0 for kv in part_a.kv_lens)  # both halves hold keys of some request
+    assert all(kb > 0 for kv, kb in zip(batch.kv_lens, part_b.kv_lens) if kv > 0)
+
+    def run(part, **kw):
+        return reference_of(part, causal, softcap=softcap, **kw)
+
+    # Both parts without sinks; the merge adds the sink once.
+    merged = _merge([run(part_a), run(part_b)], sinks=sinks)
+    # Or the sink passed to one part only; a plain merge.
+    one_part = _merge([run(part_a, sinks=sinks), run(part_b)])
+    for got in (merged, one_part):
+        for g, w, o in zip(got, want, oracle_want):
+            torch.testing.assert_close(g, w.double(), atol=2e-6, rtol=2e-6)
+            torch.testing.assert_close(g, o, atol=2e-5, rtol=2e-5)
+    # Passing it to both parts counts it twice.
+    twice = _merge([run(part_a, sinks=sinks), run(part_b, sinks=sinks)])
+    assert not torch.allclose(twice[1], want[1].double(), atol=1e-3)
+
+
+def test_feature_errors():
+    b = small()
+    args = (b.q, b.k_cache, b.v_cache)
+    kw = b.kwargs()
+    for window in ((1,), (1, 2, 3), (-2, 0), (0, -5), (1.0, 2), (True, 0), "ab", None, 3):
+        with pytest.raises(ValueError, match="window_size"):
+            pod_attention_reference(*args, **kw, window_size=window)
+    for cap in (-1.0, -1e-9, math.nan, math.inf, "x", None):
+        with pytest.raises(ValueError, match="softcap"):
+            pod_attention_reference(*args, **kw, softcap=cap)
+    bad_sinks = (torch.zeros(7), torch.zeros(1, 8), torch.ones(8, dtype=torch.int32), [0.0] * 8)
+    for sinks in bad_sinks:
+        with pytest.raises(ValueError, match="sinks"):
+            pod_attention_reference(*args, **kw, sinks=sinks)
+    # Accepted: a list window, an int softcap, float64 sinks (cast to float32).
+    got = pod_attention_reference(
+        *args, **kw, window_size=[3, -1], softcap=2, sinks=torch.ones(8).double(), return_lse=True
+    )
+    want = pod_attention_reference(
+        *args, **kw, window_size=(3, -1), softcap=2.0, sinks=torch.ones(8), return_lse=True
+    )
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@st.composite
+def feature_batches(draw):
+    batch, causal = draw(batches())
+    hq = batch.q.shape[1]
+    left = draw(st.sampled_from([-1, 0, 1, 3, 10]))
+    right = draw(st.sampled_from([-1, 0, 2, 7]))
+    softcap = draw(st.sampled_from([0.0, 0.7, 5.0]))
+    sinks = draw(st.none() | st.integers(0, 2**16).map(lambda s: random_sinks(hq, s)))
+    return batch, causal, dict(window_size=(left, right), softcap=softcap, sinks=sinks)
+
+
+@settings(max_examples=50, deadline=None)
+@given(feature_batches())
+def test_random_batches_with_features(case):
+    batch, causal, features = case
+    check(batch, causal, **features)

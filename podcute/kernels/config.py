@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_HEAD_DIMS = (64, 96, 128)
 SUPPORTED_PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # powers of two: the kernel takes log2
 SUPPORTED_ARCHS = ("sm_90a",)
 SUPPORTED_DTYPES = ("bfloat16", "float16")
@@ -36,7 +36,10 @@ class KernelConfig:
     Feature flags (per variant): GQA group, causal, LSE output, page class (``kv_box``:
     the KV rows of one TMA box: 128 when pages hold whole KV tiles, 16 for pages of 16,
     32 or 64 tokens (one box per 16 slots of a page); 0 for pages of 1-8 tokens, whose
-    rows a cp.async gather resolves).
+    rows a cp.async gather resolves), and the model features: ``window`` (a sliding
+    window whose bounds the kernel reads from the plan), ``softcap`` (tanh soft-capping of
+    the logits, its cap from the plan) and ``has_sinks`` (a per-head sink logit tensor).
+    Each feature off compiles to exactly the code without it.
     """
 
     arch: str
@@ -54,6 +57,9 @@ class KernelConfig:
     ctas_per_sm: int
     producer_regs: int
     mma_regs: int
+    window: bool = False
+    softcap: bool = False
+    has_sinks: bool = False
 
     # ---- derived ----------------------------------------------------------------------
 
@@ -142,9 +148,14 @@ class KernelConfig:
     def tma_kv(self) -> bool:
         return self.kv_box > 0
 
-    def with_flags(self, *, causal=None, has_lse=None) -> "KernelConfig":
-        """The same tiling with other per-launch flags (what launch() specialises)."""
-        changes = {k: v for k, v in (("causal", causal), ("has_lse", has_lse)) if v is not None}
+    def with_flags(self, **flags) -> "KernelConfig":
+        """The same tiling with other per-launch flags (what launch() specialises):
+        causal, has_lse, window, softcap, has_sinks; None keeps a flag as it is."""
+        allowed = ("causal", "has_lse", "window", "softcap", "has_sinks")
+        unknown = set(flags) - set(allowed)
+        if unknown:
+            raise TypeError(f"with_flags: unknown flags {sorted(unknown)} (flags: {allowed})")
+        changes = {k: bool(v) for k, v in flags.items() if v is not None}
         return dataclasses.replace(self, **changes)
 
     # ---- the selector -------------------------------------------------------------------
@@ -152,14 +163,15 @@ class KernelConfig:
     @staticmethod
     def select(dtype: str = "bfloat16", head_dim: int = 128, group: int = 1,
                causal: bool = True, has_lse: bool = False, page_size: int = 16,
-               arch: str = "sm_90a") -> "KernelConfig":
+               arch: str = "sm_90a", *, window: bool = False, softcap: bool = False,
+               has_sinks: bool = False) -> "KernelConfig":
         """The configuration podcute runs for these facts (raises ValueError if none)."""
         if head_dim not in SUPPORTED_HEAD_DIMS:
             raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
         # FA3's structure: one CTA per SM = a producer warpgroup + two MMA warpgroups of
         # 64 rows over 128-token K/V tiles. D 128: Q 32 KB + 2 stages x (K + V) 128 KB +
-        # 34 KB decode-combine scratch + 17 KB O staging; D 64 halves every tile, so 4
-        # stages fit.
+        # 34 KB decode-combine scratch + 17 KB O staging; D 96: 3 stages fit, D 64: 4
+        # (the most shared memory allows, up to 4: deeper buys decode nothing measurable).
         # Page class: TMA boxes of whole tiles when pages hold them; of 16 page slots (8
         # boxes a tile, each inside one page) for pages of 16..64 tokens; else a cp.async
         # row gather (pages of 1..8 tokens: boxes that small would cost more issue slots
@@ -173,13 +185,18 @@ class KernelConfig:
         # 128-token tiles (S, P and O fragments live together); its 64-token tiles (twice
         # the stages, the same bytes in flight) fit. Pages of 1-8 tokens are gather-bound.
         tile_n = 128 if kv_box else 64
-        stages = (2 if head_dim == 128 else 4) * (128 // tile_n)
         cfg = KernelConfig(
             arch=arch, dtype=dtype, head_dim=head_dim, group=group, causal=bool(causal),
             has_lse=bool(has_lse), kv_box=kv_box, tile_m_prefill=128, tile_m_decode=64,
-            tile_n=tile_n, num_stages=stages, num_mma_warpgroups=2, ctas_per_sm=1,
-            producer_regs=producer_regs, mma_regs=mma_regs,
+            tile_n=tile_n, num_stages=2, num_mma_warpgroups=2, ctas_per_sm=1,
+            producer_regs=producer_regs, mma_regs=mma_regs, window=bool(window),
+            softcap=bool(softcap), has_sinks=bool(has_sinks),
         )
+        # The deepest K/V pipeline shared memory holds (bytes in flight, whatever tile_n).
+        max_stages = 4 * (128 // tile_n)
+        while (cfg.num_stages < max_stages and dataclasses.replace(
+                cfg, num_stages=cfg.num_stages + 1).smem_bytes() <= SMEM_BYTES_PER_SM):
+            cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages + 1)
         ok, why = cfg.can_implement()
         if not ok:
             raise ValueError(f"podcute has no kernel for this configuration: {why}")

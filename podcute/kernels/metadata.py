@@ -56,6 +56,22 @@ class Param(IntEnum):
     captured with one plan replays with another plan's values."""
 
     SM_SCALE = 0
+    # Soft-capping (a variant's `softcap` flag): the kernel keeps tanh(s * SOFTCAP_SCALE)
+    # (SOFTCAP_SCALE = sm_scale / softcap) as its raw scores, whose logits are SOFTCAP x them.
+    SOFTCAP_SCALE = 1
+    SOFTCAP = 2
 
 
-NUM_PARAMS = 4  # room for the scales later variants add, without moving segments
+class IParam(IntEnum):
+    """int32 values of the same plan-owned parameter words (the kernel reads the words
+    [NUM_FLOAT_PARAMS, NUM_PARAMS) through an int32 view)."""
+
+    # Sliding window (a variant's `window` flag), FlashAttention's convention: the query
+    # at KV position p sees keys p - WINDOW_LEFT .. p + WINDOW_RIGHT; -1 = unbounded. The
+    # planner folds causal into WINDOW_RIGHT (0).
+    WINDOW_LEFT = 4
+    WINDOW_RIGHT = 5
+
+
+NUM_FLOAT_PARAMS = 4
+NUM_PARAMS = 8  # float words, then int words (room for later variants' values)

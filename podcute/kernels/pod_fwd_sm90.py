@@ -49,10 +49,12 @@ from podcute.kernels.config import WARPGROUP_THREADS, KernelConfig
 from podcute.kernels.epilogue import staging_tile, store_lse, store_partial, store_rows
 from podcute.kernels.gather import RowGather
 from podcute.kernels.mask import apply_mask
-from podcute.kernels.metadata import Param
+from podcute.kernels.metadata import IParam, Param
 from podcute.kernels.mma_utils import acc_as_operand_a_layout, rows_cols_view, warpgroup_gemm
-from podcute.kernels.softmax import LOG2_E, OnlineSoftmax, combine_rows, rescale_rows
+from podcute.kernels.softmax import (LOG2_E, OnlineSoftmax, combine_rows, rescale_rows,
+                                     softcap_scores)
 from podcute.kernels.split_merge import finish_split
+from podcute.kernels.visibility import left_mask_until
 from podcute.kernels.work import WorkItem
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
@@ -129,6 +131,7 @@ class PodAttentionSm90:
         mV: cute.Tensor,
         mO: cute.Tensor,  # [T, Hq, D]
         mLSE: Optional[cute.Tensor],  # [T, Hq] fp32 or None
+        mSinks: Optional[cute.Tensor],  # [Hq] fp32 sink logits (has_sinks) or None
         mWork: cute.Tensor,  # [items, WORK_COLS] int32 (metadata.WorkCol)
         mCtaPtr: cute.Tensor,  # [grid + 1] int32
         mQStart: cute.Tensor,  # [B + 1] int32
@@ -141,6 +144,7 @@ class PodAttentionSm90:
         mSlotMerge: cute.Tensor,  # [slots] int32: merge row of each split slot
         mMergeSem: cute.Tensor,  # [merges] int32 semaphores, zero between launches
         mParams: cute.Tensor,  # [NUM_PARAMS] fp32 (metadata.Param)
+        mIParams: cute.Tensor,  # the same words as int32 (metadata.IParam)
         page_shift: Int32,  # log2(page_size): page sizes are powers of two
         num_ctas: Int32,
         stream: cuda.CUstream,
@@ -190,8 +194,8 @@ class PodAttentionSm90:
             tma_atom_v, mV = cpasync.make_tiled_tma_atom(
                 op, layouts.kv_tma_view(mV), box_layout, box)
         self.kernel(
-            mQ, mK, mV, mO, mLSE, mWork, mCtaPtr, mQStart, mKvLen, mPageStart, mPageList,
-            mPartialO, mPartialLSE, mMerge, mSlotMerge, mMergeSem, mParams, page_shift,
+            mQ, mK, mV, mO, mLSE, mSinks, mWork, mCtaPtr, mQStart, mKvLen, mPageStart, mPageList,
+            mPartialO, mPartialLSE, mMerge, mSlotMerge, mMergeSem, mParams, mIParams, page_shift,
             tma_atom_k, tma_atom_v, tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sV_layout,
             scratch_layout,
         ).launch(
@@ -213,6 +217,7 @@ class PodAttentionSm90:
         mV: cute.Tensor,
         mO: cute.Tensor,
         mLSE: Optional[cute.Tensor],
+        mSinks: Optional[cute.Tensor],
         mWork: cute.Tensor,
         mCtaPtr: cute.Tensor,
         mQStart: cute.Tensor,
@@ -225,6 +230,7 @@ class PodAttentionSm90:
         mSlotMerge: cute.Tensor,
         mMergeSem: cute.Tensor,
         mParams: cute.Tensor,
+        mIParams: cute.Tensor,
         page_shift: Int32,
         tma_atom_k: Optional[cute.CopyAtom],
         tma_atom_v: Optional[cute.CopyAtom],
@@ -286,14 +292,14 @@ class PodAttentionSm90:
             cute.arch.setmaxregister_increase(self.cfg.mma_regs)
             staging_row = self.cfg.staging_row
             self.consume(
-                mO, mLSE, mWork, mQStart, mKvLen, mPageStart, mPartialO, mPartialLSE,
+                mO, mLSE, mSinks, mWork, mQStart, mKvLen, mPageStart, mPartialO, mPartialLSE,
                 mMerge, mSlotMerge, mMergeSem, storage.merge_flag.get_tensor(cute.make_layout(1)),
                 storage.scratch.get_tensor(scratch_layout),
                 staging_tile(storage.scratch.data_ptr(), self.dtype, WG_ROWS, self.head_dim,
                              staging_row),
                 staging_tile(storage.staging1.data_ptr(), self.dtype, WG_ROWS, self.head_dim,
                              staging_row),
-                mParams, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV,
+                mParams, mIParams, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV,
                 pipeline_q, pipeline_k, pipeline_v, pipeline_combine, mCtaPtr,
             )
             cute.arch.barrier_arrive(barrier_id=NamedBarrier.CTA_END,
@@ -514,6 +520,7 @@ class PodAttentionSm90:
         self,
         mO: cute.Tensor,
         mLSE: Optional[cute.Tensor],
+        mSinks: Optional[cute.Tensor],
         mWork: cute.Tensor,
         mQStart: cute.Tensor,
         mKvLen: cute.Tensor,
@@ -528,6 +535,7 @@ class PodAttentionSm90:
         sStage0: cute.Tensor,
         sStage1: cute.Tensor,
         mParams: cute.Tensor,
+        mIParams: cute.Tensor,
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
         sQ: cute.Tensor,
@@ -558,8 +566,9 @@ class PodAttentionSm90:
         acc_O = cute.make_rmem_tensor(thr_mma_pv.partition_shape_C((WG_ROWS, d)), Float32)
         tScS = thr_mma_qk.partition_C(cute.make_identity_tensor((WG_ROWS, tile_n)))
         tOcO = thr_mma_pv.partition_C(cute.make_identity_tensor((WG_ROWS, d)))
+        # Soft-capped raw scores are tanh values whose logits are softcap x them.
         softmax = OnlineSoftmax.create(
-            cute.size(rows_cols_view(acc_O), mode=[0]), mParams[Param.SM_SCALE] * LOG2_E
+            cute.size(rows_cols_view(acc_O), mode=[0]), mParams[self.logit_param] * LOG2_E
         )
         # O's rescale factor of the latest tile, applied while the next S GEMM runs.
         row_scale = cute.make_rmem_tensor_like(softmax.row_max, Float32)
@@ -588,7 +597,15 @@ class PodAttentionSm90:
             # Rows of this warpgroup: its own 64 (prefill) or all of the item's (decode).
             row_offset = wg * WG_ROWS * (1 - decode)
             n_min, n_max, mask_from = item.tile_bounds(
-                item.row_start + row_offset, self.group, self.causal, tile_n)
+                item.row_start + row_offset, self.group, self.causal, tile_n,
+                self.window_right(mIParams))
+            # Window: tiles below mask_until hold keys left of some row's window.
+            mask_until = Int32(0)
+            if const_expr(self.cfg.window):
+                mask_until = left_mask_until(
+                    item.kv_len, item.q_len,
+                    cutlass.min(item.row_end, item.row_start + row_offset + WG_ROWS),
+                    self.group, mIParams[IParam.WINDOW_LEFT], tile_n)
             softmax.reset()
             acc_O.fill(0.0)
             q_state = stage(i - mCtaPtr[cute.arch.block_idx()[0]], 1)  # the item's Q use
@@ -598,17 +615,20 @@ class PodAttentionSm90:
             # The mask re-reads the item (L1 hits) on the few tiles it touches rather than
             # hold its bounds in registers through the mainloop.
             mask_tile = partial(self.mask_tile, tScS=tScS, mWork=mWork, mQStart=mQStart,
-                                mKvLen=mKvLen, mPageStart=mPageStart, i=i, wg=wg)
+                                mKvLen=mKvLen, mPageStart=mPageStart, mIParams=mIParams, i=i,
+                                wg=wg)
+            score_tile = partial(self.score_tile, mask_tile=mask_tile, mask_from=mask_from,
+                                 mask_until=mask_until, mParams=mParams)
             if decode != 0:
                 self.mainloop_decode(
                     tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_shape_S, acc_O, rP, tOrP,
-                    softmax, row_scale, mask_tile, sV, pipeline_q, q_state, pipeline_k,
-                    pipeline_v, kv_count, n_min, n_max, mask_from, item.kv_end, mma_tidx, wg)
+                    softmax, row_scale, score_tile, sV, pipeline_q, q_state, pipeline_k,
+                    pipeline_v, kv_count, n_min, n_max, item.kv_end, mma_tidx, wg)
             else:
                 self.mainloop_prefill(
                     tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_shape_S, acc_O, rP, tOrP,
-                    softmax, row_scale, mask_tile, sV, pipeline_q, q_state, pipeline_k,
-                    pipeline_v, kv_count, n_min, n_max, mask_from, item.kv_end, mma_tidx, wg)
+                    softmax, row_scale, score_tile, sV, pipeline_q, q_state, pipeline_k,
+                    pipeline_v, kv_count, n_min, n_max, item.kv_end, mma_tidx, wg)
             kv_count += n_max - n_min
             # Reload the item for the epilogue (an L1 hit) rather than keep every field
             # live through the mainloop: registers are what the MMA warpgroups lack.
@@ -620,7 +640,9 @@ class PodAttentionSm90:
                 self.combine_decode(softmax, acc_O, sScratch, pipeline_combine,
                                     item.decode_index, tidx, wg)
             # sm_scale is re-read (an L1 hit) rather than held through the mainloop.
-            inv_sum, lse = softmax.finalize(mParams[Param.SM_SCALE])
+            inv_sum, lse = softmax.finalize(
+                mParams[self.logit_param],
+                self.row_sinks(mSinks, tOcO, item, row_offset))
             rescale_rows(acc_O, inv_sum)
             if decode * wg == 0:  # prefill: each warpgroup its rows; decode: warpgroup 0
                 self.epilogue(acc_O, lse, thr_mma_pv, tOcO, sStage, item, row_offset, mO,
@@ -629,15 +651,15 @@ class PodAttentionSm90:
                 finish_split(
                     mO, mLSE, mPartialO, mPartialLSE, mMerge, mSlotMerge, mMergeSem, mQStart,
                     sFlag, item.split_slot, self.group, d, mma_tidx, self.num_mma_threads,
-                    barrier_id=NamedBarrier.MMA,
+                    barrier_id=NamedBarrier.MMA, mSinks=mSinks,
                 )
             i += 1
 
     @cute.jit
     def mainloop_prefill(self, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_shape_S,
                          acc_O, rP, tOrP, softmax: OnlineSoftmax, row_scale: cute.Tensor,
-                         mask_tile, sV, pipeline_q, q_state, pipeline_k, pipeline_v,
-                         kv_count: Int32, n_min: Int32, n_max: Int32, mask_from: Int32,
+                         score_tile, sV, pipeline_q, q_state, pipeline_k, pipeline_v,
+                         kv_count: Int32, n_min: Int32, n_max: Int32,
                          kv_end: Int32, mma_tidx: Int32, wg: Int32):
         """Every KV tile for this warpgroup's 64 rows (both MMA warpgroups read every
         stage), FlashAttention-3's order: on its turn a warpgroup issues S = Q K^T of tile
@@ -655,8 +677,7 @@ class PodAttentionSm90:
             acc_S = self.qk_gemm(tiled_mma_qk, tSrQ, tSrK, acc_shape_S, k_state)
             warpgroup.wait_group(0)
             pipeline_k.consumer_release(k_state)
-            if n_min >= mask_from:
-                mask_tile(acc_S, col_start=n_min * tile_n)
+            score_tile(acc_S, n_block=n_min)
             softmax.update(acc_S, row_scale)
             rP.store(acc_S.load().to(self.dtype))
             for n_block in cutlass.range(n_min + 1, n_max, unroll=1):
@@ -675,8 +696,7 @@ class PodAttentionSm90:
                                          number_of_threads=self.num_mma_threads)
                 warpgroup.wait_group(1)  # S done; P V still running
                 pipeline_k.consumer_release(k_state)
-                if n_block >= mask_from:
-                    mask_tile(acc_S, col_start=n_block * tile_n)
+                score_tile(acc_S, n_block=n_block)
                 softmax.update(acc_S, row_scale)
                 warpgroup.wait_group(0)  # P V done: rP is free
                 pipeline_v.consumer_release(v_state)
@@ -703,8 +723,8 @@ class PodAttentionSm90:
     @cute.jit
     def mainloop_decode(self, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_shape_S,
                         acc_O, rP, tOrP, softmax: OnlineSoftmax, row_scale: cute.Tensor,
-                        mask_tile, sV, pipeline_q, q_state, pipeline_k, pipeline_v,
-                        kv_count: Int32, n_min: Int32, n_max: Int32, mask_from: Int32,
+                        score_tile, sV, pipeline_q, q_state, pipeline_k, pipeline_v,
+                        kv_count: Int32, n_min: Int32, n_max: Int32,
                         kv_end: Int32, mma_tidx: Int32, wg: Int32):
         """Every other KV tile (from n_min + wg) for all the item's rows; the other MMA
         warpgroup takes the rest, and the owner releases a stage for both. No overlap
@@ -718,8 +738,7 @@ class PodAttentionSm90:
             acc_S = self.qk_gemm(tiled_mma_qk, tSrQ, tSrK, acc_shape_S, kv_state)
             warpgroup.wait_group(0)
             self.release(pipeline_k, kv_state, 2)
-            if n_block >= mask_from:
-                mask_tile(acc_S, col_start=n_block * tile_n)
+            score_tile(acc_S, n_block=n_block)
             softmax.update(acc_S, row_scale)
             rP.store(acc_S.load().to(self.dtype))  # S dies here, before O is rescaled
             rescale_rows(acc_O, row_scale)
@@ -736,14 +755,61 @@ class PodAttentionSm90:
         pipeline_q.consumer_release(q_state)
 
     @cute.jit
+    def score_tile(self, acc_S: cute.Tensor, n_block: Int32, mask_tile, mask_from: Int32,
+                   mask_until: Int32, mParams: cute.Tensor):
+        """Scores of KV tile `n_block` before the softmax: soft-capped (a variant's flag),
+        then masked if the tile holds a key some row must not see (tiles >= mask_from on
+        the right, < mask_until left of a window)."""
+        if const_expr(self.cfg.softcap):
+            # (an L1 hit, not a register held through the mainloop)
+            softcap_scores(acc_S, mParams[Param.SOFTCAP_SCALE])
+        needs_mask = n_block >= mask_from
+        if const_expr(self.cfg.window):
+            needs_mask = needs_mask | (n_block < mask_until)
+        if needs_mask:
+            mask_tile(acc_S, col_start=n_block * self.tile_n)
+
+    def window_right(self, mIParams: cute.Tensor):
+        """The right limit's offset from the query position (0: causal)."""
+        if const_expr(self.cfg.window):
+            return mIParams[IParam.WINDOW_RIGHT]
+        return 0
+
+    @property
+    def logit_param(self) -> int:
+        """The parameter that turns a raw score into its logit (metadata.Param)."""
+        return Param.SOFTCAP if self.cfg.softcap else Param.SM_SCALE
+
+    @cute.jit
     def mask_tile(self, acc_S: cute.Tensor, tScS: cute.Tensor, mWork: cute.Tensor,
-                  mQStart: cute.Tensor, mKvLen: cute.Tensor, mPageStart: cute.Tensor, i: Int32,
-                  wg: Int32, col_start: Int32):
+                  mQStart: cute.Tensor, mKvLen: cute.Tensor, mPageStart: cute.Tensor,
+                  mIParams: cute.Tensor, i: Int32, wg: Int32, col_start: Int32):
         """Mask S of the KV tile at `col_start` for this warpgroup's rows of item `i`."""
         item = WorkItem.load(mWork, mQStart, mKvLen, mPageStart, i)
         row_offset = wg * WG_ROWS * (1 - Int32(item.is_decode))
+        left = Int32(-1)
+        if const_expr(self.cfg.window):
+            left = mIParams[IParam.WINDOW_LEFT]
         apply_mask(acc_S, tScS, item.row_start + row_offset, col_start, item.kv_end,
-                   item.kv_len - item.q_len, self.group, self.causal)
+                   item.kv_len - item.q_len, self.group, self.causal,
+                   self.window_right(mIParams), left, self.cfg.window)
+
+    @cute.jit
+    def row_sinks(self, mSinks: Optional[cute.Tensor], tOcO: cute.Tensor, item: WorkItem,
+                  row_offset: Int32):
+        """The sink logit of each of this thread's rows (their query heads'), -inf for a
+        split piece (the merge adds the sink once); None without sinks."""
+        if const_expr(mSinks is None):
+            return None
+        tOcO_mn = rows_cols_view(tOcO)
+        sink = cute.make_rmem_tensor(cute.size(tOcO_mn, mode=[0]), Float32)
+        for r in cutlass.range_constexpr(cute.size(tOcO_mn, mode=[0])):
+            _, h = layouts.packed_coord(item.row_start + row_offset + tOcO_mn[r, 0][0],
+                                        self.group)
+            sink[r] = mSinks[item.kv_head * self.group + h]
+            if item.split_slot >= 0:
+                sink[r] = -Float32.inf
+        return sink
 
     @cute.jit
     def fence_gathered_kv(self):

@@ -2,10 +2,11 @@
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, const_expr
 
 from podcute.kernels.mma_utils import rows_cols_view
 
@@ -83,20 +84,43 @@ class OnlineSoftmax:
         return scale_self, scale_other
 
     @cute.jit
-    def finalize(self, sm_scale: Float32) -> tuple:
-        """Return (1/row_sum, natural-log LSE) per row; rows that saw no key get 0 and -inf."""
+    def finalize(self, logit_scale: Float32, sink: Optional[cute.Tensor] = None) -> tuple:
+        """Return (O's normaliser, natural-log LSE) per row; `logit_scale` turns a raw
+        score into its logit (sm_scale, or the soft cap). With `sink` (a per-row logit,
+        -inf for none) the sink joins the denominator as a key with no value
+        (docs/contract.md), and the LSE includes it. Rows that saw no key get 0 and
+        -inf (or the sink's logit)."""
         inv_sum = cute.make_rmem_tensor_like(self.row_sum, Float32)
         lse = cute.make_rmem_tensor_like(self.row_sum, Float32)
         for r in cutlass.range_constexpr(cute.size(self.row_sum)):
             total = cute.arch.warp_reduction_sum(self.row_sum[r], threads_in_group=4)
             inv = Float32(0.0)
             row_lse = -Float32.inf
-            if total > Float32(0.0):
-                inv = cute.arch.rcp_approx(total)
-                row_lse = self.row_max[r] * sm_scale + cute.math.log(total, fastmath=True)
+            if const_expr(sink is None):
+                if total > Float32(0.0):
+                    inv = cute.arch.rcp_approx(total)
+                    row_lse = self.row_max[r] * logit_scale + cute.math.log(total, fastmath=True)
+            else:
+                # Shift by max(row max, sink) so neither exponent overflows.
+                m = self.row_max[r] * logit_scale
+                m_all = cutlass.max(m, sink[r])
+                if m_all > -Float32.inf:
+                    w = cute.math.exp(m - m_all, fastmath=True)  # 0 for a row with no key
+                    total_all = total * w + cute.math.exp(sink[r] - m_all, fastmath=True)
+                    inv = w * cute.arch.rcp_approx(total_all)
+                    row_lse = m_all + cute.math.log(total_all, fastmath=True)
             inv_sum[r] = inv
             lse[r] = row_lse
         return inv_sum, lse
+
+
+@cute.jit
+def softcap_scores(acc_S: cute.Tensor, scale: Float32):
+    """Logit soft-capping: S <- tanh(S * scale) in place, scale = sm_scale / softcap (the
+    softmax then scales by softcap: softcap * tanh(s * sm_scale / softcap), Gemma 2's cap)."""
+    # tanh.approx per element (the intrinsic is scalar-only): one MUFU op, like exp2.
+    for i in cutlass.range_constexpr(cute.size(acc_S)):
+        acc_S[i] = cute.math.tanh(acc_S[i] * scale, approx=True)
 
 
 @cute.jit

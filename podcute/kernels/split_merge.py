@@ -2,7 +2,9 @@
 
 Run inside the fused kernel by the consumer warpgroup of the CTA that finishes a merge
 group's last split (counted by a per-group semaphore), so a batch is one launch. Splits
-whose rows saw no key carry lse = -inf and weigh 0.
+whose rows saw no key carry lse = -inf and weigh 0. Partials never include an attention
+sink; the merge adds it once, as one more term of the logsumexp with no value. The
+splits are reduced in slot order (= KV order), whichever CTA merges.
 """
 
 from typing import Optional
@@ -30,10 +32,14 @@ def merge_group(
     tidx: Int32,
     num_threads: cutlass.Constexpr[int],
     head_dim: cutlass.Constexpr[int],
+    mSinks: Optional[cute.Tensor] = None,  # [Hq] fp32 sink logits, or None
+    head0: Int32 = 0,  # query head of packed row 0's group (kv_head * group)
+    group: cutlass.Constexpr[int] = 1,
 ):
     """Merge the partials of packed rows [row_start, row_start + n_rows) into out (+ lse).
 
-    A thread handles COLS_PER_THREAD columns of one row per pass.
+    A thread handles COLS_PER_THREAD columns of one row per pass (threads past the last
+    whole row of a pass idle: D 96 leaves some).
     """
     threads_per_row = head_dim // COLS_PER_THREAD
     rows_per_pass = num_threads // threads_per_row
@@ -41,8 +47,13 @@ def merge_group(
     acc = cute.make_rmem_tensor(COLS_PER_THREAD, Float32)
     for row0 in cutlass.range(0, n_rows, rows_per_pass, unroll=1):
         row = row0 + tidx // threads_per_row
-        if row < n_rows:
+        if row < n_rows and tidx < rows_per_pass * threads_per_row:
             lse_max = -Float32.inf
+            sink = -Float32.inf
+            if const_expr(mSinks is not None):
+                _, h = layouts.packed_coord(row_start + row, group)
+                sink = mSinks[head0 + h]
+                lse_max = sink
             for s in cutlass.range(num_splits, unroll=1):
                 split_lse = layouts.partial_lse(mPartialLSE, first_slot + s)[row]
                 lse_max = cutlass.max(lse_max, split_lse)
@@ -52,6 +63,8 @@ def merge_group(
                 shift = Float32(0.0)
             acc.fill(0.0)
             total = Float32(0.0)
+            if const_expr(mSinks is not None):
+                total = cute.math.exp(sink - shift, fastmath=True)
             for s in cutlass.range(num_splits, unroll=1):
                 w = cute.math.exp(layouts.partial_lse(mPartialLSE, first_slot + s)[row] - shift,
                                   fastmath=True)
@@ -89,6 +102,7 @@ def finish_split(
     tidx: Int32,
     num_threads: cutlass.Constexpr[int],
     barrier_id: cutlass.Constexpr[int],
+    mSinks: Optional[cute.Tensor] = None,
 ):
     """After a split's partials are written: count it; the group's last split merges.
 
@@ -118,7 +132,7 @@ def finish_split(
             gLSE = layouts.packed_lse(mLSE, q_start, q_len, kv_head, group)
         merge_group(gO, gLSE, mPartialO, mPartialLSE, row_start,
                     mMerge[m, MergeCol.ROW_END] - row_start, mMerge[m, MergeCol.FIRST_SLOT],
-                    num_splits, tidx, num_threads, head_dim)
+                    num_splits, tidx, num_threads, head_dim, mSinks, kv_head * group, group)
         if tidx == 0:
             mMergeSem[m] = Int32(0)
     # sFlag is rewritten by the next split this warpgroup finishes.

@@ -50,8 +50,8 @@ class WorkItem:
             page_start=mPageStart[req],
         )
 
-    def tile_bounds(self, row_start, group: int, causal: bool, tile_n: int):
+    def tile_bounds(self, row_start, group: int, causal: bool, tile_n: int, right=0):
         """(n_min, n_max, mask_from) of this item's KV tiles for rows from `row_start`
         (visibility.tile_bounds: the one device definition)."""
         return tile_bounds(self.kv_start, self.kv_end, self.kv_len, self.q_len, row_start,
-                           group, causal, tile_n)
+                           group, causal, tile_n, right)
