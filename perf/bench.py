@@ -1,6 +1,7 @@
 """podcute benchmark: fused POD attention vs podcute serial, FA4 and the roofline.
 
-    python -m perf.bench [--quick] [--out DIR]
+    python -m perf.bench [--quick] [--out DIR] [--window L] [--softcap X] [--sinks]
+                         [--batch-invariant] [--head-dim D] [--heads HQ/HKV]
 
 One process measures the ceilings (copy bandwidth, bf16 matmul rate), then for every
 workload of perf.workloads (each at page 16 and 128; --quick: M1, D1, F1 at page 16 and a
@@ -16,6 +17,16 @@ Every output is checked once against podcute's float32 reference (rel L2 <= 5e-3
 outside the timed region. Writes <out>/bench.json, <out>/bench.md and PNG plots, and
 prints the markdown last. The JSON is rewritten after every workload, so a run that is
 cut short keeps what it measured.
+
+Model features, applied to every workload of the run and to podcute (plan/run), FA4 and
+the reference alike: `--window L` (window_size=(L, 0), causal; FlashInfer's window_left;
+the roofline counts only the pairs and keys in the window), `--softcap X`, `--sinks`
+(per-head sink logits [Hq], fixed seed), `--batch-invariant` (podcute's plan option; FA4
+has no such switch and runs with num_splits=1, no split KV), `--head-dim D` and
+`--heads HQ/HKV` (override every workload's shape). The options and the command line are
+recorded in bench.json ("options", env "command") and in bench.md's header; with options
+that change the attention computed, the earlier-run anchors (FlashInfer, FA4, roofline)
+are not comparable and are left out.
 """
 
 from __future__ import annotations
@@ -25,9 +36,11 @@ import json
 import math
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -45,6 +58,183 @@ def log(msg: str) -> None:
 
 def _err(e: BaseException) -> dict:
     return {"error": f"{type(e).__name__}: {e}"[:800]}
+
+
+def _unavailable(reason: str) -> dict:
+    """A method's result when it cannot take the run's options (nothing was called)."""
+    return {"error": f"unavailable: {reason}"[:800], "unavailable": reason}
+
+
+# --------------------------------------------------------------------------------------
+# Model-feature options (--window, --softcap, --sinks, --batch-invariant, --head-dim, --heads)
+# --------------------------------------------------------------------------------------
+
+SINK_SEED = 1234
+SINK_RANGE = (0.0, 8.0)  # uniform: some heads' sinks take much of the softmax, some little
+FA4_HEAD_DIM_RANGE = (8, 256)  # FA4's SM90 forward: 8 <= head_dim <= 256, a multiple of 8
+
+
+@dataclass(frozen=True)
+class Options:
+    """The model features of a run; the defaults are the plain causal benchmark."""
+
+    window_left: int = -1  # window_size=(window_left, 0); -1 = no window
+    softcap: float = 0.0  # 0 = off
+    sinks: bool = False
+    batch_invariant: bool = False
+    head_dim: int | None = None  # None: each workload's own
+    heads: tuple | None = None  # (num_qo_heads, num_kv_heads); None: each workload's own
+
+    @property
+    def window_size(self) -> tuple:
+        return (self.window_left, 0) if self.window_left >= 0 else (-1, -1)
+
+    def active(self) -> dict:
+        """The options that differ from the defaults (JSON-friendly)."""
+        out = {}
+        if self.window_left >= 0:
+            out["window_size"] = list(self.window_size)
+        if self.softcap:
+            out["softcap"] = self.softcap
+        if self.sinks:
+            out["sinks"] = dict(seed=SINK_SEED, uniform=list(SINK_RANGE), dtype="float32")
+        if self.batch_invariant:
+            out["batch_invariant"] = True
+        if self.head_dim is not None:
+            out["head_dim"] = self.head_dim
+        if self.heads is not None:
+            out["heads"] = f"{self.heads[0]}/{self.heads[1]}"
+        return out
+
+    @property
+    def changes_attention(self) -> bool:
+        """True when the attention computed (or its shape) is not the anchors' one."""
+        return (self.window_left >= 0 or bool(self.softcap) or self.sinks
+                or self.head_dim is not None or self.heads is not None)
+
+    def describe(self) -> str:
+        parts = []
+        if self.window_left >= 0:
+            parts.append(f"window_size=({self.window_left}, 0)")
+        if self.softcap:
+            parts.append(f"softcap={self.softcap:g}")
+        if self.sinks:
+            parts.append(f"sinks (float32 [Hq], uniform {SINK_RANGE}, seed {SINK_SEED})")
+        if self.batch_invariant:
+            parts.append("batch_invariant")
+        if self.head_dim is not None:
+            parts.append(f"head_dim={self.head_dim}")
+        if self.heads is not None:
+            parts.append(f"heads={self.heads[0]}/{self.heads[1]}")
+        return ", ".join(parts) or "none (causal, no window, no soft cap, no sinks)"
+
+    def apply(self, w: W.Workload) -> W.Workload:
+        """`w` with this run's shape and window (the roofline follows)."""
+        if self.head_dim is None and self.heads is None and self.window_left < 0:
+            return w
+        if self.window_left >= 0 and not w.causal:
+            raise ValueError(f"--window is window_size=(L, 0) with causal; {w.name} is not causal")
+        hq, hkv = self.heads if self.heads is not None else (None, None)
+        return W.with_overrides(w, head_dim=self.head_dim, num_qo_heads=hq, num_kv_heads=hkv,
+                                window_left=self.window_left if self.window_left >= 0 else None)
+
+    def _mask_kwargs(self) -> dict:
+        """The window and soft cap, as podcute, the reference and FA4 all name them."""
+        kw = {}
+        if self.window_left >= 0:
+            kw["window_size"] = self.window_size
+        if self.softcap:
+            kw["softcap"] = self.softcap
+        return kw
+
+    def plan_kwargs(self) -> dict:
+        """PODAttention.plan keyword options (only those that are set)."""
+        kw = self._mask_kwargs()
+        if self.batch_invariant:
+            kw["batch_invariant"] = True
+        return kw
+
+    def reference_kwargs(self, sinks) -> dict:
+        """Batch.reference feature arguments (only those that are set)."""
+        kw = self._mask_kwargs()
+        if sinks is not None:
+            kw["sinks"] = sinks
+        return kw
+
+    def fa4_kwargs(self, sinks) -> dict:
+        """flash_attn.cute.interface.flash_attn_varlen_func keyword options: window_size
+        (left, right), softcap (float, 0 = off), learnable_sink ([Hq]; FA4 before
+        2026-08 asserts bfloat16, later ones also take float16/float32: a bfloat16 copy
+        works on both and holds the same values, see make_sinks). FA4 has no batch-invariant
+        switch; its forward does not split KV with num_splits=1 (the default), passed
+        explicitly under --batch-invariant."""
+        kw = self._mask_kwargs()
+        if sinks is not None:
+            kw["learnable_sink"] = sinks.to(torch.bfloat16)
+        if self.batch_invariant:
+            kw["num_splits"] = 1
+        return kw
+
+    def fa4_unavailable(self, w: W.Workload) -> str | None:
+        """Why FA4 cannot run workload `w` with these options (None: it can)."""
+        lo, hi = FA4_HEAD_DIM_RANGE
+        if not (lo <= w.head_dim <= hi and w.head_dim % 8 == 0):
+            return (f"FA4 (SM90) takes head_dim {lo}..{hi}, a multiple of 8; "
+                    f"got {w.head_dim}")
+        return None
+
+
+def make_sinks(num_qo_heads: int, device="cpu", seed: int = SINK_SEED) -> torch.Tensor:
+    """Per-head sink logits, float32 [Hq], uniform in SINK_RANGE for a fixed seed. The values
+    are rounded to bfloat16 first, so FA4's bfloat16 copy holds exactly the same numbers."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    lo, hi = SINK_RANGE
+    s = lo + (hi - lo) * torch.rand(num_qo_heads, generator=g, dtype=torch.float32)
+    return s.to(torch.bfloat16).to(torch.float32).to(device)
+
+
+def parse_heads(text: str) -> tuple:
+    """"HQ/HKV" -> (HQ, HKV), HQ a positive multiple of HKV (argparse type)."""
+    try:
+        hq, hkv = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--heads takes HQ/HKV (e.g. 64/8), got {text!r}")
+    if hq < 1 or hkv < 1 or hq % hkv:
+        raise argparse.ArgumentTypeError(
+            f"--heads {text}: HQ must be a positive multiple of HKV")
+    return hq, hkv
+
+
+def _nonneg_int(text: str) -> int:
+    v = int(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
+def _nonneg_float(text: str) -> float:
+    v = float(text)
+    if not v >= 0.0 or math.isinf(v):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return v
+
+
+def _head_dim(text: str) -> int:
+    v = int(text)
+    if v < 8 or v % 8:
+        raise argparse.ArgumentTypeError(f"head_dim must be a positive multiple of 8, got {v}")
+    return v
+
+
+def options_from_args(args) -> Options:
+    return Options(
+        window_left=-1 if getattr(args, "window", None) is None else int(args.window),
+        softcap=float(getattr(args, "softcap", 0.0) or 0.0),
+        sinks=bool(getattr(args, "sinks", False)),
+        batch_invariant=bool(getattr(args, "batch_invariant", False)),
+        head_dim=getattr(args, "head_dim", None),
+        heads=getattr(args, "heads", None),
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -80,8 +270,9 @@ def measure_ceilings() -> dict:
 class Ctx:
     """What every workload run needs: the libraries, ceilings and options."""
 
-    def __init__(self, args, ceilings, pod_cls, fa4_fn, device="cuda"):
+    def __init__(self, args, ceilings, pod_cls, fa4_fn, device="cuda", opts=None):
         self.args, self.ceil, self.pod_cls, self.fa4 = args, ceilings, pod_cls, fa4_fn
+        self.opts = opts if opts is not None else options_from_args(args)
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             # An explicit index: tensors made on it say cuda:N, and so does every object
@@ -112,14 +303,17 @@ def run_workload(w: W.Workload, page: int, ctx: Ctx, *, reps: int, warmup: int,
     from podcute.testing import make_batch
 
     ceil = ctx.ceil
+    opts = ctx.opts
+    w = opts.apply(w)  # the run's head_dim / heads / window (a no-op without options)
     res = dict(
         name=w.name, kind=w.kind, page_size=page, params=w.params,
         num_qo_heads=w.num_qo_heads, num_kv_heads=w.num_kv_heads, head_dim=w.head_dim,
+        window_left=w.window_left, options=opts.active(),
         batch_size=w.batch_size, total_q=w.total_q, num_prefill=w.num_prefill,
         flops=W.flops(w), bytes=W.bytes_moved(w),
         roofline_ms=W.roofline_s(w, ceil["matmul_flops_per_s"], ceil["copy_bytes_per_s"]) * 1e3,
         bound=W.bound(w, ceil["matmul_flops_per_s"], ceil["copy_bytes_per_s"]),
-        anchors=W.anchors(w.name, page), timings={}, rel_l2={}, notes=[],
+        anchors=_anchors(w.name, page, opts), timings={}, rel_l2={}, notes=[],
     )
     # garbage=0: FA4 loads whole pages by TMA at page 128 and needs finite values in the
     # unused tail of a last page (its docstring); the data itself is random normal.
@@ -131,13 +325,16 @@ def run_workload(w: W.Workload, page: int, ctx: Ctx, *, reps: int, warmup: int,
         res["notes"].append(f"requests of {w.params['shuffled_from']} in shuffled order")
     sets = _sets(batch, res["bytes"], ctx.l2_bytes)
     res["input_sets"] = len(sets)
-    ref = batch.reference(causal=w.causal) if check else None
+    sinks = make_sinks(w.num_qo_heads, ctx.device) if opts.sinks else None
+    ref = batch.reference(causal=w.causal, **opts.reference_kwargs(sinks)) if check else None
+    plan_kw = opts.plan_kwargs()
     cu, kv, bt = batch.cu_seqlens_q, batch.seqused_k, batch.block_table
     B, np_ = w.batch_size, w.num_prefill
     tp = sum(w.q_lens[:np_]) if w.has_split else None
     out = torch.empty_like(batch.q)
 
     fns = {}  # method -> fn(i) that runs on input set i % len(sets)
+    run_kw = {} if sinks is None else dict(sinks=sinks)
     if ctx.pod_cls is not None and "fused" in methods:
         def make_pod(b, t):
             return ctx.pod_cls(w.num_qo_heads, w.num_kv_heads, w.head_dim, page,
@@ -145,36 +342,44 @@ def run_workload(w: W.Workload, page: int, ctx: Ctx, *, reps: int, warmup: int,
                                max_batch_size=max(b, 1), max_num_tokens=max(t, 1))
         try:
             att = make_pod(B, w.total_q)
-            summary = att.plan(cu, kv, block_table=bt, causal=w.causal)
+            summary = att.plan(cu, kv, block_table=bt, causal=w.causal, **plan_kw)
             summary = getattr(summary, "summary", summary)  # a PlanSummary (or a Plan)
             if summary is not None:
                 res["plan_summary"] = str(summary)
 
             def fused(i, att=att):
                 q, k, v = sets[i % len(sets)]
-                att.run(q, k, v, out=out)
+                att.run(q, k, v, out=out, **run_kw)
             fns["fused"] = fused
         except Exception as e:  # noqa: BLE001 - recorded, the run goes on
             res["timings"]["fused"] = _err(e)
         if w.has_split and "serial" in methods:
             try:
                 pre, dec = make_pod(np_, tp), make_pod(B - np_, w.total_q - tp)
-                pre.plan(cu[: np_ + 1], kv[:np_], block_table=bt[:np_], causal=w.causal)
-                dec.plan(cu[np_:] - tp, kv[np_:], block_table=bt[np_:], causal=w.causal)
+                pre.plan(cu[: np_ + 1], kv[:np_], block_table=bt[:np_], causal=w.causal,
+                         **plan_kw)
+                dec.plan(cu[np_:] - tp, kv[np_:], block_table=bt[np_:], causal=w.causal,
+                         **plan_kw)
 
                 def serial(i, pre=pre, dec=dec):
                     q, k, v = sets[i % len(sets)]
-                    pre.run(q[:tp], k, v, out=out[:tp])
-                    dec.run(q[tp:], k, v, out=out[tp:])
+                    pre.run(q[:tp], k, v, out=out[:tp], **run_kw)
+                    dec.run(q[tp:], k, v, out=out[tp:], **run_kw)
                 fns["serial"] = serial
             except Exception as e:  # noqa: BLE001
                 res["timings"]["serial"] = _err(e)
-    if ctx.fa4 is not None and "fa4" in methods:
+    fa4_why_not = opts.fa4_unavailable(w) if ctx.fa4 is not None else None
+    if fa4_why_not is not None:
+        for name in ("fa4", "fa4x2"):
+            if name in methods and (name == "fa4" or w.has_split):
+                res["timings"][name] = _unavailable(fa4_why_not)
+    elif ctx.fa4 is not None and "fa4" in methods:
         fa4 = ctx.fa4
+        fa4_kw = opts.fa4_kwargs(sinks)
 
         def fa4_call(q, k, v, cu_q, seqused, table, max_q):
             return fa4(q, k, v, cu_seqlens_q=cu_q, seqused_k=seqused, page_table=table,
-                       max_seqlen_q=max_q, causal=w.causal)[0]
+                       max_seqlen_q=max_q, causal=w.causal, **fa4_kw)[0]
 
         maxq = max(w.q_lens)
         fa4_out = [None]
@@ -231,6 +436,12 @@ def run_workload(w: W.Workload, page: int, ctx: Ctx, *, reps: int, warmup: int,
 # --------------------------------------------------------------------------------------
 # Derived numbers, targets
 # --------------------------------------------------------------------------------------
+
+
+def _anchors(name, page, opts: Options) -> dict:
+    """The earlier-run anchors, or all None when the options change what is computed."""
+    a = W.anchors(name, page)
+    return {k: None for k in a} if opts.changes_attention else a
 
 
 def ms(res, method, key="ms"):
@@ -310,6 +521,17 @@ def markdown(report) -> str:
         f"{env.get('gpu')}, torch {env.get('torch')}, CUDA {env.get('cuda')}, "
         f"podcute {env.get('git')} ({env.get('podcute_api')}), FA4: {env.get('fa4')}",
         "",
+    ]
+    command = report.get("command") or env.get("command")
+    lines += [f"Command: `{command}`", ""] if command else []  # not in older reports
+    lines += [
+        f"Options (every workload; podcute, FA4 and the reference alike): "
+        f"{report.get('options_text') or env.get('options') or Options().describe()}",
+        "",
+    ]
+    lines += [f"Note: {n}" for n in report.get("notes") or []]
+    lines += [""] if report.get("notes") else []
+    lines += [
         f"Ceilings (this run): copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s (read+write), "
         f"bf16 matmul {c['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s. "
         "Times are GPU ms (median, launch gaps hidden); 'gaps' = issued back to back "
@@ -396,6 +618,22 @@ def sweep_grid(sweep_results, key):
     return rows, cols, grid
 
 
+def short_options(active: dict) -> str:
+    """A compact form of Options.active() for plot titles (head_dim is in the title)."""
+    parts = []
+    if "window_size" in active:
+        parts.append(f"window {active['window_size'][0]}")
+    if active.get("softcap"):
+        parts.append(f"softcap {active['softcap']:g}")
+    if active.get("sinks"):
+        parts.append("sinks")
+    if active.get("batch_invariant"):
+        parts.append("batch-invariant")
+    if active.get("heads"):
+        parts.append(f"heads {active['heads']}")
+    return ", ".join(parts)
+
+
 def plots(report, out_dir) -> list:
     try:
         import matplotlib
@@ -423,7 +661,11 @@ def plots(report, out_dir) -> list:
                    color="black" if name == "roofline" else None)
         ax.set_xticks(x, labels)
         ax.set_ylabel("GPU ms (median, gaps hidden)")
-        ax.set_title("podcute vs peers and roofline (bf16, D128, causal)")
+        dims = sorted({r.get("head_dim") for r in main if r.get("head_dim")})
+        d_txt = "/".join(f"D{d}" for d in dims) or "D?"
+        extra = short_options(report.get("options") or {})
+        ax.set_title(f"podcute vs peers and roofline (bf16, {d_txt}, causal"
+                     f"{', ' + extra if extra else ''})", fontsize=10)
         ax.legend()
         fig.tight_layout()
         path = os.path.join(out_dir, "bench_times.png")
@@ -480,19 +722,21 @@ def environment(fa4_note) -> dict:
 # --------------------------------------------------------------------------------------
 
 
-def _guarded(w, page, fn) -> dict:
+def _guarded(w, page, fn, opts: Options | None = None) -> dict:
     """fn()'s result, or a result that records why the workload could not run at all
     (e.g. out of memory, or a CUDA context lost to an earlier fault)."""
     try:
         return fn()
     except Exception as e:  # noqa: BLE001
         log(f"  {w.name}/p{page} failed: {type(e).__name__}: {e}"[:300])
+        opts = opts or Options()
         return dict(name=w.name, kind=w.kind, page_size=page, params=w.params,
-                    roofline_ms=float("nan"), bound="-", anchors=W.anchors(w.name, page),
+                    options=opts.active(), roofline_ms=float("nan"), bound="-",
+                    anchors=_anchors(w.name, page, opts),
                     timings={}, rel_l2={}, notes=[_err(e)["error"][:200]])
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="M1, D1, F1 at page 16, small sweep")
     p.add_argument("--out", default=os.path.join("perf", "results"))
@@ -505,7 +749,54 @@ def main(argv=None) -> int:
     p.add_argument("--pages", default=None, help="comma-separated page sizes (e.g. 16,128)")
     p.add_argument("--budget-s", type=float, default=None,
                    help="skip remaining sweep points after this many seconds (450; quick 100)")
-    args = p.parse_args(argv)
+    g = p.add_argument_group("model features (every workload; podcute, FA4 and the reference)")
+    g.add_argument("--window", type=_nonneg_int, default=None, metavar="L",
+                   help="sliding window: window_size=(L, 0) with causal (FlashInfer's "
+                        "window_left=L); the roofline counts only the keys in the window")
+    g.add_argument("--softcap", type=_nonneg_float, default=0.0, metavar="X",
+                   help="logit soft cap X * tanh(s / X) (0 = off)")
+    g.add_argument("--sinks", action="store_true",
+                   help=f"per-head sink logits: float32 [Hq], uniform in {SINK_RANGE}, seed "
+                        f"{SINK_SEED} (FA4: learnable_sink, a bfloat16 copy of the same values)")
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="podcute plan(batch_invariant=True); FA4 has no such switch and runs "
+                        "with num_splits=1 (no split KV)")
+    g.add_argument("--head-dim", type=_head_dim, default=None, metavar="D",
+                   help="override every workload's head_dim (podcute: 64, 96, 128 or 256)")
+    g.add_argument("--heads", type=parse_heads, default=None, metavar="HQ/HKV",
+                   help="override every workload's num_qo_heads/num_kv_heads (e.g. 64/8)")
+    return p
+
+
+def parse_args(argv=None):
+    return build_parser().parse_args(argv)
+
+
+def command_line(argv=None) -> str:
+    """The command that reproduces this run (for docs)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    return "python -m perf.bench" + ("" if not argv else " " + shlex.join(argv))
+
+
+def select_workloads(args, opts: Options | None = None) -> tuple:
+    """(main workloads, page sizes, sweep workloads) of a run, with the options applied
+    (head_dim / heads / window); sets args.no_sweep with --only."""
+    opts = opts if opts is not None else options_from_args(args)
+    main_wl, pages, sweep_wl = W.workloads(args.quick)
+    if args.only:
+        names = args.only.split(",")
+        main_wl = tuple(w for w in W.MAIN + (W.M1_SHUFFLED,) if w.name in names)
+        args.no_sweep = True
+    if args.pages:
+        pages = tuple(int(x) for x in args.pages.split(","))
+    return (tuple(opts.apply(w) for w in main_wl), pages,
+            [opts.apply(w) for w in sweep_wl])
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    opts = options_from_args(args)
+    command = command_line(argv)
     reps = args.reps or (30 if args.quick else 50)
     budget = args.budget_s or (100.0 if args.quick else 450.0)
     if not torch.cuda.is_available():
@@ -530,15 +821,16 @@ def main(argv=None) -> int:
             fa4_note = f"skipped: import failed ({type(e).__name__}: {e})"[:300]
             log(f"FA4 {fa4_note}")
 
-    main_wl, pages, sweep_wl = W.workloads(args.quick)
-    if args.only:
-        names = args.only.split(",")
-        main_wl = tuple(w for w in W.MAIN + (W.M1_SHUFFLED,) if w.name in names)
-        args.no_sweep = True
-    if args.pages:
-        pages = tuple(int(x) for x in args.pages.split(","))
-    report = dict(env=dict(environment(fa4_note), podcute_api=pod_note), args=vars(args),
-                  ceilings=None, main=[], sweep=[], host={}, targets=[], skipped=[])
+    main_wl, pages, sweep_wl = select_workloads(args, opts)
+    env = dict(environment(fa4_note), podcute_api=pod_note, command=command,
+               options=opts.describe())
+    report = dict(env=env, args=vars(args), command=command, options=opts.active(),
+                  options_text=opts.describe(), ceilings=None, main=[], sweep=[], host={},
+                  targets=[], skipped=[])
+    if opts.changes_attention:
+        report["notes"] = ["options change the attention computed: earlier-run anchors "
+                           "(FlashInfer, FA4, roofline) left out, and the targets (set for "
+                           "the default options) are for reference only"]
     json_path = os.path.join(args.out, "bench.json")
 
     def save():
@@ -552,7 +844,7 @@ def main(argv=None) -> int:
         report["ceilings"] = ctx_ceil = measure_ceilings()
         log(f"  copy {ctx_ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
             f"matmul {ctx_ceil['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s")
-        ctx = Ctx(args, ctx_ceil, pod_cls, fa4_fn)
+        ctx = Ctx(args, ctx_ceil, pod_cls, fa4_fn, opts=opts)
 
         for page in pages:
             for k, w in enumerate(main_wl):
@@ -560,7 +852,7 @@ def main(argv=None) -> int:
                     continue
                 log(f"{w.name} page {page}")
                 r = _guarded(w, page, lambda: run_workload(w, page, ctx, reps=reps, warmup=5,
-                                                           seed=k))
+                                                           seed=k), opts)
                 report["main"].append(r)
                 if "host" in r:
                     report["host"] = r.pop("host")
@@ -577,7 +869,7 @@ def main(argv=None) -> int:
                     continue
                 r = _guarded(w, 16, lambda: run_workload(
                     w, 16, ctx, reps=args.sweep_reps, warmup=2,
-                    methods=("fused", "serial", "fa4"), seed=100 + k))
+                    methods=("fused", "serial", "fa4"), seed=100 + k), opts)
                 report["sweep"].append(r)
                 d = derive(r)
                 log(f"{w.name}: fused {_f(d['fused_ms'])} serial/fused "

@@ -75,6 +75,8 @@ for s in "$@"; do
     quick-bench) step quick-bench 400 python -m perf.bench --quick --no-sweep \
         --out "$OUT/bench" ${BENCH_ARGS:-} && sed -n '/^| workload/,/^$/p' "$OUT/bench/bench.md" ;;
     bench) step bench 580 python -m perf.bench --out "$OUT/bench" ${BENCH_ARGS:-} ;;
+    fbench-*) step "$s" 580 env DEADLINE_S=$((DEADLINE - SECONDS - 20)) \
+        bash perf/feature_bench.sh ${s#fbench-} ;;  # e.g. fbench-d256 (perf/feature_bench.sh)
     ncu-base-*) w=${s#ncu-base-}  # the same profile of the tree in .device/base
         step "$s" 240 env -C .device/base PYTHONPATH=$PWD/.device/base:${PYTHONPATH:-} \
         ncu --clock-control none -k regex:kernel_cutlass --launch-skip 3 --launch-count 1 \

@@ -32,6 +32,8 @@ VARIANTS = sorted({
     ("bfloat16", 64, 1, True, True, 1), ("float16", 64, 1, True, False, 16),
     ("bfloat16", 128, 4, True, True, 8), ("bfloat16", 96, 4, True, True, 16),
     ("bfloat16", 96, 1, False, True, 1), ("bfloat16", 96, 8, True, True, 128),
+    ("bfloat16", 256, 4, True, True, 16), ("bfloat16", 256, 8, True, True, 128),
+    ("bfloat16", 256, 1, False, True, 1),
     # compat and serving-loop GPU tests (8/2/128 bf16 causal, pages 1 and 16)
     ("bfloat16", 128, 4, True, False, 1),
     # demo and perf.bench (32/8/128 and 16/4/128, pages 16 and 128)

@@ -6,18 +6,21 @@ measured on the GPU in the same run (perf.bench) and
 
 - FLOPs = 4 * Hq * D * (visible query-key pairs): QK^T and PV, 2 FLOPs per multiply-add;
   with `causal` a query at position p = kv_len - q_len + j (bottom-right alignment, as
-  docs/contract.md) sees keys 0..p;
+  docs/contract.md) sees keys 0..p; with a sliding window (`window_left` = L >= 0, i.e.
+  window_size=(L, 0) in FlashAttention's convention) only keys max(0, p - L)..p;
 - bytes = Q read + O written (total_q * Hq * D each) + K and V read once per KV head of
-  each request (kv_len * Hkv * D each), in the element size of the inputs. Only the
-  kv_len tokens a request uses are counted (not the unused tail of its last page), so the
-  roofline is a lower bound on any kernel's time.
+  each request (Hkv * D each per key), in the element size of the inputs. Only the keys
+  some query of the request sees are counted: its kv_len tokens (not the unused tail of
+  its last page), and under a window only [max(0, kv_len - q_len - L), kv_len). So the
+  roofline is a lower bound on any kernel's time. Soft-capping and sinks add no matmul
+  FLOPs and (sinks: 4 bytes per query head) next to nothing to the bytes; not counted.
 """
 
 from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 ELEM_BYTES = 2  # bf16
 HEAD_DIM = 128
@@ -46,6 +49,9 @@ class Workload:
     num_prefill: int | None = 0
     kind: str = "mixed"  # "mixed", "decode", "prefill" or "sweep"
     params: dict = field(default_factory=dict, compare=False)  # sweep coordinates
+    # Sliding window: a query at position p sees keys >= p - window_left (FlashAttention's
+    # window_size=(window_left, 0) with causal); -1 = unbounded.
+    window_left: int = -1
 
     @property
     def batch_size(self) -> int:
@@ -75,9 +81,28 @@ def shuffled(w: Workload, name: str, seed: int = 0) -> Workload:
     """`w` with its requests in a random (fixed) order."""
     order = list(range(w.batch_size))
     random.Random(seed).shuffle(order)
-    return Workload(name, tuple(w.q_lens[i] for i in order), tuple(w.kv_lens[i] for i in order),
-                    w.num_qo_heads, w.num_kv_heads, w.head_dim, w.causal, num_prefill=None,
-                    kind=w.kind, params=dict(w.params, shuffled_from=w.name))
+    return replace(w, name=name, q_lens=tuple(w.q_lens[i] for i in order),
+                   kv_lens=tuple(w.kv_lens[i] for i in order), num_prefill=None,
+                   params=dict(w.params, shuffled_from=w.name))
+
+
+def with_overrides(w: Workload, *, head_dim: int | None = None, num_qo_heads: int | None = None,
+                   num_kv_heads: int | None = None, window_left: int | None = None) -> Workload:
+    """`w` with its head_dim / heads / window replaced (None: keep `w`'s). The lengths,
+    order and name stay, so results of a run with overrides line up with the default's."""
+    hq = w.num_qo_heads if num_qo_heads is None else int(num_qo_heads)
+    hkv = w.num_kv_heads if num_kv_heads is None else int(num_kv_heads)
+    if hq < 1 or hkv < 1 or hq % hkv:
+        raise ValueError(f"num_qo_heads ({hq}) must be a positive multiple of "
+                         f"num_kv_heads ({hkv})")
+    d = w.head_dim if head_dim is None else int(head_dim)
+    if d < 1:
+        raise ValueError(f"head_dim must be positive, got {d}")
+    left = w.window_left if window_left is None else int(window_left)
+    if left < -1:
+        raise ValueError(f"window_left must be >= 0 or -1 (unbounded), got {left}")
+    return replace(w, head_dim=d, num_qo_heads=hq, num_kv_heads=hkv, window_left=left,
+                   params=dict(w.params))
 
 
 K = 1024
@@ -121,24 +146,52 @@ def workloads(quick: bool = False) -> tuple:
 # --------------------------------------------------------------------------------------
 
 
-def visible_pairs(q_len: int, kv_len: int, causal: bool = True) -> int:
-    """Query-key pairs one request computes. Causal, bottom-right: query j sees
-    min(kv_len, max(0, kv_len - q_len + j + 1)) keys; with k = min(q_len, kv_len) that sums
-    to k * (kv_len - k) + k * (k + 1) / 2."""
-    if not causal:
-        return q_len * kv_len
-    k = min(q_len, kv_len)
-    return k * (kv_len - k) + k * (k + 1) // 2
+def _sum_min(lo: int, hi: int, cap: int) -> int:
+    """sum(min(n, cap) for n in range(lo, hi + 1)), for 1 <= lo and cap >= 1 (0 if empty)."""
+    def s(n):  # sum over 1..n
+        return n * (n + 1) // 2 if n <= cap else cap * (cap + 1) // 2 + (n - cap) * cap
+    return s(hi) - s(lo - 1) if hi >= lo else 0
+
+
+def visible_pairs(q_len: int, kv_len: int, causal: bool = True, window_left: int = -1) -> int:
+    """Query-key pairs one request computes. Query j sits at p = kv_len - q_len + j
+    (bottom-right). Causal: it sees keys max(0, p - window_left)..p, i.e.
+    min(p + 1, window_left + 1) keys (p + 1 unbounded; none when p < 0); without a window,
+    with k = min(q_len, kv_len) that sums to k * (kv_len - k) + k * (k + 1) / 2.
+    Not causal: keys max(0, p - window_left)..kv_len - 1."""
+    if window_left < 0:
+        if not causal:
+            return q_len * kv_len
+        k = min(q_len, kv_len)
+        return k * (kv_len - k) + k * (k + 1) // 2
+    if causal:
+        # rows with p >= 0 are p = kv_len - k .. kv_len - 1: n = p + 1 = kv_len - k + 1 .. kv_len
+        k = min(q_len, kv_len)
+        return _sum_min(kv_len - k + 1, kv_len, window_left + 1)
+    return sum(kv_len - min(kv_len, max(0, kv_len - q_len + j - window_left))
+               for j in range(q_len))
+
+
+def seen_keys(q_len: int, kv_len: int, window_left: int = -1) -> int:
+    """Keys that some query of one request sees (their K/V is read): all kv_len of them,
+    or under a window [max(0, kv_len - q_len - window_left), kv_len); none if q_len is 0."""
+    if q_len <= 0 or kv_len <= 0:
+        return 0
+    if window_left < 0:
+        return kv_len
+    return kv_len - max(0, kv_len - q_len - window_left)
 
 
 def flops(w: Workload) -> int:
-    pairs = sum(visible_pairs(q, kv, w.causal) for q, kv in zip(w.q_lens, w.kv_lens))
+    pairs = sum(visible_pairs(q, kv, w.causal, w.window_left)
+                for q, kv in zip(w.q_lens, w.kv_lens))
     return 4 * w.num_qo_heads * w.head_dim * pairs
 
 
 def bytes_moved(w: Workload, elem_bytes: int = ELEM_BYTES) -> int:
     qo = 2 * w.total_q * w.num_qo_heads * w.head_dim
-    kv = 2 * sum(kv for q, kv in zip(w.q_lens, w.kv_lens) if q > 0) * w.num_kv_heads * w.head_dim
+    keys = sum(seen_keys(q, kv, w.window_left) for q, kv in zip(w.q_lens, w.kv_lens))
+    kv = 2 * keys * w.num_kv_heads * w.head_dim
     return (qo + kv) * elem_bytes
 
 

@@ -231,6 +231,11 @@ FEATURE_CASES = [
     dict(d=96, page=64, layout="HND", fmt="csr"), dict(d=96, page=8, hq=16, hkv=2),
     dict(d=96, page=256, hq=8, hkv=1), dict(d=96, page=32, causal=False, interleaved=True),
     dict(d=96, window_size=(200, 0), softcap=30.0, sinks=True),
+    # head_dim 256 likewise (64-token tiles, 4-round decode combine, direct O stores)
+    dict(d=256, page=16), dict(d=256, page=128, dtype=torch.float16), dict(d=256, page=1),
+    dict(d=256, page=64, layout="HND", fmt="csr"), dict(d=256, page=8, hq=16, hkv=2),
+    dict(d=256, page=256, hq=8, hkv=1), dict(d=256, page=32, causal=False, interleaved=True),
+    dict(d=256, window_size=(200, 0), softcap=30.0, sinks=True, page=128),
     # GQA groups 1-8 and MQA with a window and sinks
     dict(hq=4, hkv=4, window_size=(256, 0), sinks=True),
     dict(hq=12, hkv=4, window_size=(256, 0), sinks=True),
@@ -240,9 +245,12 @@ FEATURE_CASES = [
 ]
 
 # Extra feature checks of the GPU tests (split KV, rows that see nothing, invariance).
-EXTRA_FEATURE_CASES = [
+EXTRA_FEATURE_CASES = [  # the first NUM_SPLIT_CASES: long decodes and prefills (split KV)
     dict(window_size=(500, 0), sinks=True), dict(sinks=True, softcap=15.0),
-    dict(window_size=(3000, 0)), dict(causal=False, window_size=(-1, 0), sinks=True),
+    dict(window_size=(3000, 0)), dict(d=256, sinks=True, page=128), dict(d=256, page=16),
+    # head_dim 96 on TMA pages: long decodes alternate many tiles between the MMA
+    # warpgroups (an odd stage count once let one run a barrier phase ahead)
+    dict(d=96, page=128), dict(d=96, page=16, sinks=True), dict(causal=False, window_size=(-1, 0), sinks=True),
     dict(hq=32, hkv=8, window_size=(4096, 0), sinks=True),
     dict(hq=32, hkv=8, window_size=(4096, 0), sinks=True, page=128),
 ]
@@ -256,7 +264,9 @@ RANDOM_FEATURE_PRESETS = {
     False: [dict(window_size=(1, 1)), dict(window_size=(1, -1)), dict(window_size=(-1, 1)),
             dict(sinks=True), dict()],
 }
-RANDOM_FEATURE_SHAPES = dict(heads=[(8, 2), (32, 4)], head_dims=[96, 128], pages=[1, 16, 128])
+NUM_SPLIT_CASES = 7
+RANDOM_FEATURE_SHAPES = dict(heads=[(8, 2), (32, 4)], head_dims=[96, 128, 256],
+                             pages=[1, 16, 128])
 
 
 def feature_test_variants():

@@ -16,8 +16,8 @@ import torch
 
 from podcute import PODAttention
 from podcute.reference import pod_attention_reference
-from podcute.testing import (EXTRA_FEATURE_CASES, FEATURE_CASES, RANDOM_FEATURE_PRESETS,
-                             RANDOM_FEATURE_SHAPES, make_batch)
+from podcute.testing import (EXTRA_FEATURE_CASES, FEATURE_CASES, NUM_SPLIT_CASES,
+                             RANDOM_FEATURE_PRESETS, RANDOM_FEATURE_SHAPES, make_batch)
 
 pytestmark = pytest.mark.gpu
 
@@ -174,7 +174,7 @@ def test_features_mixed(cfg):
     check(f"features {cfg}", *MIXED, **cfg)
 
 
-@pytest.mark.parametrize("cfg", EXTRA_FEATURE_CASES[:3])
+@pytest.mark.parametrize("cfg", EXTRA_FEATURE_CASES[:NUM_SPLIT_CASES])
 def test_features_split_kv(cfg):
     # Long decodes and a long prefill split their KV: partials never hold the sink, the
     # merge adds it once; the window bounds every split's range.

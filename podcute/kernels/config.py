@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-SUPPORTED_HEAD_DIMS = (64, 96, 128)
+SUPPORTED_HEAD_DIMS = (64, 96, 128, 256)
 SUPPORTED_PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # powers of two: the kernel takes log2
 SUPPORTED_ARCHS = ("sm_90a",)
 SUPPORTED_DTYPES = ("bfloat16", "float16")
@@ -60,6 +60,11 @@ class KernelConfig:
     window: bool = False
     softcap: bool = False
     has_sinks: bool = False
+    # Shared-memory economies of head_dim 256 (whose Q and K/V stages take 192 KB): the
+    # decode combine hands O over in `combine_rounds` column chunks, and without
+    # `o_staging` the epilogue stores O fragments directly.
+    combine_rounds: int = 1
+    o_staging: bool = True
 
     # ---- derived ----------------------------------------------------------------------
 
@@ -81,10 +86,16 @@ class KernelConfig:
         return max(self.tile_m_prefill, self.tile_m_decode)
 
     @property
+    def combine_chunk(self) -> int:
+        """O values per thread in one round of the decode combine."""
+        return self.tile_m_decode * self.head_dim // WARPGROUP_THREADS // self.combine_rounds
+
+    @property
     def combine_floats(self) -> int:
-        """fp32 words of the decode-combine scratch: per thread of a warpgroup, its O
-        fragment (tile_m_decode x D / 128) and its 2 row maxima + 2 partial row sums."""
-        return WARPGROUP_THREADS * (self.tile_m_decode * self.head_dim // WARPGROUP_THREADS + 4)
+        """fp32 words of the decode-combine scratch: per thread of a warpgroup, one round's
+        chunk of its O fragment (tile_m_decode x D / 128 in all) and its 2 row maxima + 2
+        partial row sums."""
+        return WARPGROUP_THREADS * (self.combine_chunk + 4)
 
     @property
     def staging_row(self) -> int:
@@ -93,8 +104,9 @@ class KernelConfig:
         return self.head_dim + 16 // self.elem_bytes
 
     def staging_bytes(self) -> int:
-        """One MMA warpgroup's O staging tile (its 64 rows, q's dtype, padded rows)."""
-        return 64 * self.staging_row * self.elem_bytes
+        """One MMA warpgroup's O staging tile (its 64 rows, q's dtype, padded rows); 0
+        without staging."""
+        return 64 * self.staging_row * self.elem_bytes if self.o_staging else 0
 
     def smem_bytes(self) -> int:
         """Q tile + K/V stages + the decode-combine scratch (also warpgroup 0's O staging)
@@ -126,6 +138,17 @@ class KernelConfig:
                            f"({self.tile_n}) or 0 (gathered rows)")
         if self.num_stages < 2:
             return False, "the K/V pipeline needs >= 2 stages"
+        if self.num_stages % self.num_mma_warpgroups:
+            # Decode items alternate KV tiles between the MMA warpgroups: with an even
+            # stage count each stage always serves one of them, so its full barrier's
+            # parity never runs a phase ahead of the tile it waits for.
+            return False, (f"num_stages {self.num_stages} must be a multiple of the "
+                           f"{self.num_mma_warpgroups} MMA warpgroups")
+        o_cols = self.head_dim // 4  # O columns per thread of an m64 accumulator: 2 rows each
+        if self.combine_rounds < 1 or o_cols % self.combine_rounds or \
+                (o_cols // self.combine_rounds) % 2:
+            return False, (f"combine_rounds {self.combine_rounds} must split a thread's "
+                           f"{o_cols} O columns into even chunks")
         if self.smem_bytes() * self.ctas_per_sm > SMEM_BYTES_PER_SM:
             return False, (f"{self.smem_bytes()} B of shared memory x {self.ctas_per_sm} CTAs "
                            f"> {SMEM_BYTES_PER_SM}")
@@ -170,33 +193,43 @@ class KernelConfig:
             raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
         # FA3's structure: one CTA per SM = a producer warpgroup + two MMA warpgroups of
         # 64 rows over 128-token K/V tiles. D 128: Q 32 KB + 2 stages x (K + V) 128 KB +
-        # 34 KB decode-combine scratch + 17 KB O staging; D 96: 3 stages fit, D 64: 4
-        # (the most shared memory allows, up to 4: deeper buys decode nothing measurable).
+        # 34 KB decode-combine scratch + 17 KB O staging; D 96 fits 3 stages but takes 2
+        # (an even count, see can_implement), D 64: 4 (the most shared memory allows, up to
+        # 4: deeper buys decode nothing measurable).
         # Page class: TMA boxes of whole tiles when pages hold them; of 16 page slots (8
         # boxes a tile, each inside one page) for pages of 16..64 tokens; else a cp.async
         # row gather (pages of 1..8 tokens: boxes that small would cost more issue slots
         # than the copies they replace).
-        kv_box = 128 if page_size % 128 == 0 else 16 if page_size % 16 == 0 else 0
+        # D 256: O alone is 128 registers a thread, so 64-token tiles (S and P of 32 and
+        # 16), and its Q tile (64 KB) and two K/V stages (128 KB) leave shared memory only
+        # for a 4-round decode combine and no O staging.
+        wide = head_dim > 128
+        tile = 64 if wide else 128
+        kv_box = tile if page_size % tile == 0 else 16 if page_size % 16 == 0 else 0
         # setmaxnreg split (multiples of 8, at most 512 per thread slot of the three
         # warpgroups): a TMA producer needs few registers; a cp.async gather needs
         # more, taken from the MMA warpgroups.
         producer_regs, mma_regs = (24, 240) if kv_box else (40, 232)
+        if wide:  # 4 TMA column blocks a box row: 24 spill; D 256's MMA fits in 232
+            producer_regs, mma_regs = 40, 232
         # The gathering producer's 40 registers leave the MMA warpgroups 232, too few for
         # 128-token tiles (S, P and O fragments live together); its 64-token tiles (twice
         # the stages, the same bytes in flight) fit. Pages of 1-8 tokens are gather-bound.
-        tile_n = 128 if kv_box else 64
+        tile_n = 128 if kv_box and not wide else 64
         cfg = KernelConfig(
             arch=arch, dtype=dtype, head_dim=head_dim, group=group, causal=bool(causal),
             has_lse=bool(has_lse), kv_box=kv_box, tile_m_prefill=128, tile_m_decode=64,
             tile_n=tile_n, num_stages=2, num_mma_warpgroups=2, ctas_per_sm=1,
             producer_regs=producer_regs, mma_regs=mma_regs, window=bool(window),
             softcap=bool(softcap), has_sinks=bool(has_sinks),
+            combine_rounds=4 if wide else 1, o_staging=not wide,
         )
-        # The deepest K/V pipeline shared memory holds (bytes in flight, whatever tile_n).
+        # The deepest K/V pipeline shared memory holds (bytes in flight, whatever tile_n),
+        # in steps of 2: one stage per MMA warpgroup (can_implement).
         max_stages = 4 * (128 // tile_n)
-        while (cfg.num_stages < max_stages and dataclasses.replace(
-                cfg, num_stages=cfg.num_stages + 1).smem_bytes() <= SMEM_BYTES_PER_SM):
-            cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages + 1)
+        while (cfg.num_stages + 2 <= max_stages and dataclasses.replace(
+                cfg, num_stages=cfg.num_stages + 2).smem_bytes() <= SMEM_BYTES_PER_SM):
+            cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages + 2)
         ok, why = cfg.can_implement()
         if not ok:
             raise ValueError(f"podcute has no kernel for this configuration: {why}")

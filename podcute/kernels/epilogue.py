@@ -66,6 +66,34 @@ def store_rows(acc_O: cute.Tensor, thr_mma: cute.ThrMma, sO: cute.Tensor, gO: cu
 
 
 @cute.jit
+def store_fragments(acc_O: cute.Tensor, tOcO: cute.Tensor, gO: cute.Tensor, row_base: Int32,
+                    n_valid: Int32):
+    """Write this warpgroup's (64, D) fp32 tile `acc_O` (already normalised) straight from
+    its fragments, 2 adjacent columns (4 bytes) at a time: the epilogue of variants with
+    no shared memory to stage through (head_dim 256)."""
+    dtype = gO.element_type
+    rO = cute.make_rmem_tensor_like(acc_O, dtype)
+    rO.store(acc_O.load().to(dtype))
+    rO_mn = rows_cols_view(rO)
+    tOcO_mn = rows_cols_view(tOcO)
+    for r in cutlass.range_constexpr(cute.size(rO_mn, mode=[0])):
+        row = tOcO_mn[r, 0][0]
+        if row < n_valid:
+            g_row = gO[row_base + row, None].iterator.toint()
+            for c in cutlass.range_constexpr(0, cute.size(rO_mn, mode=[1]), 2):
+                col = tOcO_mn[0, c][1]
+                # (rows are 16-byte aligned, checked by the API; the pair at an even column)
+                dst = cute.make_tensor(
+                    cute.make_ptr(dtype, g_row + Int64(col * (dtype.width // 8)),
+                                  cute.AddressSpace.gmem, assumed_align=4),
+                    cute.make_layout(2))
+                pair = cute.make_rmem_tensor(2, dtype)
+                pair[0] = rO_mn[r, c]
+                pair[1] = rO_mn[r, c + 1]
+                cute.autovec_copy(pair, dst)
+
+
+@cute.jit
 def store_lse(lse: cute.Tensor, tOcO: cute.Tensor, gLSE: cute.Tensor, row_base: Int32,
               n_valid: Int32, tidx: Int32):
     """LSE of this thread's rows (one thread of each row's quad writes it)."""

@@ -46,13 +46,13 @@ from cutlass.utils import LayoutEnum
 from podcute import layouts
 from podcute.kernels.barriers import NamedBarrier
 from podcute.kernels.config import WARPGROUP_THREADS, KernelConfig
-from podcute.kernels.epilogue import staging_tile, store_lse, store_partial, store_rows
+from podcute.kernels.epilogue import (staging_tile, store_fragments, store_lse, store_partial,
+                                      store_rows)
 from podcute.kernels.gather import RowGather
 from podcute.kernels.mask import apply_mask
 from podcute.kernels.metadata import IParam, Param
 from podcute.kernels.mma_utils import acc_as_operand_a_layout, rows_cols_view, warpgroup_gemm
-from podcute.kernels.softmax import (LOG2_E, OnlineSoftmax, combine_rows, rescale_rows,
-                                     softcap_scores)
+from podcute.kernels.softmax import LOG2_E, OnlineSoftmax, rescale_rows, softcap_scores
 from podcute.kernels.split_merge import finish_split
 from podcute.kernels.visibility import left_mask_until
 from podcute.kernels.work import WorkItem
@@ -154,16 +154,17 @@ class PodAttentionSm90:
         sQ_layout = tile_smem_layout(self.dtype, self.tile_m, d)
         sK_layout = tile_smem_layout(self.dtype, tile_n, d, self.num_stages)
         sV_layout = tile_smem_layout(self.dtype, tile_n, d, self.num_stages)
-        # Decode combine: one fp32 column per thread of a warpgroup (its O fragment, then
-        # its row maxima and partial row sums), so thread t of each warpgroup, which holds
-        # the same (row, col) positions, meets its twin without bank conflicts.
-        o_frag = WG_ROWS * d // WARPGROUP_THREADS
+        # Decode combine: one fp32 column per thread of a warpgroup (a round's chunk of its
+        # O fragment, then its row maxima and partial row sums), so thread t of each
+        # warpgroup, which holds the same (row, col) positions, meets its twin without
+        # bank conflicts.
         rows_per_thread = 2  # an m64 accumulator gives each thread 2 rows
         scratch_layout = cute.make_layout(
-            (o_frag + 2 * rows_per_thread, WARPGROUP_THREADS), stride=(WARPGROUP_THREADS, 1))
+            (self.cfg.combine_chunk + 2 * rows_per_thread, WARPGROUP_THREADS),
+            stride=(WARPGROUP_THREADS, 1))
         # The scratch is also warpgroup 0's O staging tile; warpgroup 1 has its own.
         scratch_words = max(self.cfg.combine_floats, self.cfg.staging_bytes() // 4)
-        staging_elems = WG_ROWS * self.cfg.staging_row
+        staging_elems = max(self.cfg.staging_bytes() // self.cfg.elem_bytes, 8)
 
         @cute.struct
         class SharedStorage:
@@ -575,10 +576,12 @@ class PodAttentionSm90:
         # P of the previous own KV tile, as the register A operand of the P V wgmma.
         rP = cute.make_rmem_tensor(acc_shape_S, self.dtype)
         tOrP = cute.make_tensor(rP.iterator, acc_as_operand_a_layout(rP.layout))
-        # This warpgroup's O staging tile for the epilogue.
-        sStage = sStage0
-        if wg == 1:
-            sStage = sStage1
+        # This warpgroup's O staging tile for the epilogue (None: direct stores).
+        sStage = None
+        if const_expr(self.cfg.o_staging):
+            sStage = sStage0
+            if wg == 1:
+                sStage = sStage1
         # K and V stages are filled in step: tile n_min of an item is the kv_count-th use
         # of both pipelines (every MMA warpgroup counts every tile, own or not).
         kv_count = Int32(0)
@@ -860,37 +863,52 @@ class PodAttentionSm90:
                        wg: Int32):
         """Warpgroup 1 hands its (row max, partial row sums, O) to warpgroup 0 through
         shared memory, thread t to thread t (same fragment positions); warpgroup 0 folds
-        them into its own. The hand-over is the `num_decode`-th use of a one-stage
-        mbarrier pipeline (the item's ordinal among its CTA's decode items, from the plan:
-        a counter held in registers would spill): warpgroup 1 acquires the scratch, writes and commits; warpgroup
-        0 waits and reads, and releases it at its next hand-over, after every later use
-        of the scratch as its O staging tile."""
-        n_o = cute.size(acc_O)
-        n_r = cute.size(softmax.row_max)
-        if wg == 1:
-            state = stage(num_decode, 1, producer=True)
-            pipeline_combine.producer_acquire(state)
-            for j in cutlass.range_constexpr(n_o):
-                sScratch[j, tidx] = acc_O[j]
-            for r in cutlass.range_constexpr(n_r):
-                sScratch[n_o + r, tidx] = softmax.row_max[r]
-                sScratch[n_o + n_r + r, tidx] = softmax.row_sum[r]
-            pipeline_combine.producer_commit(state)
-        else:
-            # Done with the previous hand-over (and every O staging since): release it now.
-            if num_decode > 0:
-                pipeline_combine.consumer_release(stage(num_decode - 1, 1))
-            pipeline_combine.consumer_wait(stage(num_decode, 1))
-            other_O = cute.make_rmem_tensor_like(acc_O, Float32)
-            other_max = cute.make_rmem_tensor_like(softmax.row_max, Float32)
-            other_sum = cute.make_rmem_tensor_like(softmax.row_sum, Float32)
-            for j in cutlass.range_constexpr(n_o):
-                other_O[j] = sScratch[j, tidx]
-            for r in cutlass.range_constexpr(n_r):
-                other_max[r] = sScratch[n_o + r, tidx]
-                other_sum[r] = sScratch[n_o + n_r + r, tidx]
-            scale_self, scale_other = softmax.merge(other_max, other_sum)
-            combine_rows(acc_O, scale_self, other_O, scale_other)
+        them into its own. O goes over in `combine_rounds` chunks of columns (the scratch
+        holds one; the row statistics travel with the first). Round j of the hand-over is
+        use num_decode * rounds + j of a one-stage mbarrier pipeline (num_decode: the
+        item's ordinal among its CTA's decode items, from the plan: a counter held in
+        registers would spill): warpgroup 1 acquires the scratch, writes and commits;
+        warpgroup 0 waits and reads, and releases it at its next hand-over, after every
+        later use of the scratch as its O staging tile."""
+        rounds = self.cfg.combine_rounds
+        acc_O_mn = rows_cols_view(acc_O)
+        n_r = cute.size(acc_O_mn, mode=[0])
+        cols = cute.size(acc_O_mn, mode=[1]) // rounds
+        stats = cols * n_r  # scratch rows of the row statistics, after the O chunk
+        # (allocated here: a value first made inside the runtime branch cannot leave it)
+        scale_self = cute.make_rmem_tensor(n_r, Float32)
+        scale_other = cute.make_rmem_tensor(n_r, Float32)
+        for j in cutlass.range_constexpr(rounds):
+            use = num_decode * rounds + j
+            if wg == 1:
+                state = stage(use, 1, producer=True)
+                pipeline_combine.producer_acquire(state)
+                for r in cutlass.range_constexpr(n_r):
+                    for c in cutlass.range_constexpr(cols):
+                        sScratch[r * cols + c, tidx] = acc_O_mn[r, j * cols + c]
+                if const_expr(j == 0):
+                    for r in cutlass.range_constexpr(n_r):
+                        sScratch[stats + r, tidx] = softmax.row_max[r]
+                        sScratch[stats + n_r + r, tidx] = softmax.row_sum[r]
+                pipeline_combine.producer_commit(state)
+            else:
+                # Done with the previous use (and every O staging since): release it now.
+                if use > 0:
+                    pipeline_combine.consumer_release(stage(use - 1, 1))
+                pipeline_combine.consumer_wait(stage(use, 1))
+                if const_expr(j == 0):
+                    other_max = cute.make_rmem_tensor_like(softmax.row_max, Float32)
+                    other_sum = cute.make_rmem_tensor_like(softmax.row_sum, Float32)
+                    for r in cutlass.range_constexpr(n_r):
+                        other_max[r] = sScratch[stats + r, tidx]
+                        other_sum[r] = sScratch[stats + n_r + r, tidx]
+                    s_self, s_other = softmax.merge(other_max, other_sum)
+                    scale_self.store(s_self.load())
+                    scale_other.store(s_other.load())
+                for r in cutlass.range_constexpr(n_r):
+                    for c in cutlass.range_constexpr(cols):
+                        acc_O_mn[r, j * cols + c] = (acc_O_mn[r, j * cols + c] * scale_self[r]
+                                                     + sScratch[r * cols + c, tidx] * scale_other[r])
 
     @cute.jit
     def epilogue(
@@ -925,5 +943,8 @@ class PodAttentionSm90:
             # (the warpgroup index again from the warp: a register held since the kernel's
             # start would be spilled)
             wg_u = cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4 - 1
-            store_rows(acc_O, thr_mma_pv, sStage, gO, row_base, n_valid,
-                       Int32(NamedBarrier.WARPGROUP) + wg_u)
+            if const_expr(self.cfg.o_staging):
+                store_rows(acc_O, thr_mma_pv, sStage, gO, row_base, n_valid,
+                           Int32(NamedBarrier.WARPGROUP) + wg_u)
+            else:
+                store_fragments(acc_O, tOcO, gO, row_base, n_valid)
