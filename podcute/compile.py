@@ -200,7 +200,7 @@ def feature_flags(spec: str) -> dict:
                 has_sinks="sinks" in names)
 
 
-def shipped_variants(arch: str = "sm_90a", head_dims=(64, 96, 128), groups=(1, 4, 7, 8),
+def shipped_variants(arch: str = "sm_90a", head_dims=(64, 96, 128, 256), groups=(1, 4, 7, 8),
                      features=("",)):
     """The variants `python -m podcute compile` builds ahead of time (and CI compiles).
 

@@ -89,15 +89,12 @@ def test_contiguous_kv_is_pages_of_one_token():
 
 @pytest.mark.parametrize("kw,name", [
     (dict(dropout_p=0.1), "dropout_p"),
-    (dict(window_size=(128, 0)), "window_size"),
-    (dict(softcap=30.0), "softcap"),
     (dict(alibi_slopes=torch.ones(HQ)), "alibi_slopes"),
     (dict(return_attn_probs=True), "return_attn_probs"),
     (dict(q_v=torch.ones(1)), "q_v"),
     (dict(q_descale=torch.ones(1)), "q_descale"),
     (dict(k_descale=torch.ones(1)), "k_descale"),
     (dict(v_descale=torch.ones(1)), "v_descale"),
-    (dict(s_aux=torch.ones(HQ)), "s_aux"),
     (dict(seqused_q=torch.ones(2, **I32)), "seqused_q"),
     (dict(cp_world_size=2), "cp_world_size"),
 ])
@@ -106,6 +103,27 @@ def test_unsupported_arguments_are_named(kw, name):
     with pytest.raises(NotImplementedError, match=name):
         flash_attn_varlen_func(b["q"], b["k"], b["v"], 20, b["cu"], 40, seqused_k=b["kvl"],
                                block_table=b["bt"], **kw)
+
+
+def test_window_softcap_and_sinks_reach_the_plan():
+    """window_size (None sides = unbounded), softcap and s_aux (sinks) are served; the
+    plan holds the window and the cap, and a changed one plans again."""
+    b = batch()
+    vllm_call(b, window_size=(128, None), softcap=30.0, s_aux=torch.ones(HQ))
+    att, _ = one_shot()
+    opt = att.current_plan.options
+    assert (opt.window_left, opt.window_right, opt.softcap) == (128, -1, 30.0)
+    assert att.current_plan.options.kernel_flags() == dict(causal=True, window=True,
+                                                           softcap=True)
+    vllm_call(b, window_size=(64, 0))
+    assert att.current_plan.options.window_left == 64
+    assert att.current_plan.options.softcap == 0.0
+    with pytest.raises(TypeError, match="window_size"):
+        flash_attn_varlen_func(b["q"], b["k"], b["v"], 20, b["cu"], 40, seqused_k=b["kvl"],
+                               block_table=b["bt"], window_size=5)
+    with pytest.raises(ValueError, match="softcap"):
+        flash_attn_varlen_func(b["q"], b["k"], b["v"], 20, b["cu"], 40, seqused_k=b["kvl"],
+                               block_table=b["bt"], softcap=-1.0)
 
 
 def test_speed_only_arguments_are_accepted():

@@ -138,7 +138,6 @@ def test_batch_pod_plan_errors_name_flashinfer_arguments(name, value, words):
 
 @pytest.mark.parametrize("kw, words", [
     (dict(pos_encoding_mode="ROPE_LLAMA"), ["pos_encoding_mode", "NONE"]),
-    (dict(window_left=128), ["window_left", "-1"]),
     (dict(rope_scale=1.0), ["rope_scale"]),
     (dict(rope_theta=1e4), ["rope_theta"]),
     (dict(kv_data_type=torch.float8_e4m3fn), ["kv_data_type", "fp8"]),
@@ -148,6 +147,20 @@ def test_batch_pod_plan_errors_name_flashinfer_arguments(name, value, words):
 def test_unsupported_plan_arguments_raise(wrapper, kw, words):
     with raises(NotImplementedError, *words):
         (batch_pod if wrapper == "batch_pod" else legacy)(**kw)
+
+
+@pytest.mark.parametrize("wrapper", ["batch_pod", "legacy"])
+def test_window_left_is_a_left_window(wrapper):
+    # FlashInfer's window_left = L: keys p - L .. p (causal) or p - L .. end (not causal):
+    # podcute's window_size (L, -1), whose right edge causal clips to 0.
+    w = (batch_pod if wrapper == "batch_pod" else legacy)(window_left=128)
+    attn = w._attn if wrapper == "batch_pod" else w._decode
+    opt = attn.current_plan.options
+    assert (opt.window_left, opt.window_right) == (128, -1)
+    with raises(ValueError, "window_left", ">= 0"):
+        (batch_pod if wrapper == "batch_pod" else legacy)(window_left=-5)
+    with raises(TypeError, "window_left", "int"):
+        (batch_pod if wrapper == "batch_pod" else legacy)(window_left=1.5)
 
 
 @pytest.mark.parametrize("kw, words", [
@@ -380,8 +393,8 @@ def test_ragged_as_pages_is_an_exact_view(layout_in, layout_out, page):
     (dict(custom_mask_p=torch.ones(4, dtype=torch.bool)), NotImplementedError, ["custom_mask_p"]),
     (dict(packed_custom_mask_d=torch.ones(4, dtype=torch.uint8)), NotImplementedError,
      ["packed_custom_mask_d"]),
-    (dict(window_left_p=16), NotImplementedError, ["window_left_p", "-1"]),
-    (dict(window_left_d=16), NotImplementedError, ["window_left_d"]),
+    (dict(window_left_p=-3), ValueError, ["window_left_p", ">= 0"]),
+    (dict(window_left_d=16), ValueError, ["window_left_d", "plan"]),
     (dict(pos_encoding_mode_p="ALIBI"), NotImplementedError, ["pos_encoding_mode_p", "NONE"]),
     (dict(pos_encoding_mode_d="ROPE_LLAMA"), NotImplementedError, ["pos_encoding_mode_d"]),
     (dict(rope_scale_p=2.0), NotImplementedError, ["rope_scale_p"]),
@@ -461,7 +474,8 @@ def test_batch_attention_plan():
 
 
 @pytest.mark.parametrize("kw, exc, words", [
-    (dict(logits_soft_cap=30.0), NotImplementedError, ["logits_soft_cap", "None or 0.0"]),
+    (dict(logits_soft_cap=-1.0), ValueError, ["softcap", ">= 0"]),
+    (dict(logits_soft_cap="30"), TypeError, ["logits_soft_cap", "float"]),
     (dict(head_dim_vo=64), NotImplementedError, ["head_dim_vo", "head_dim_qk"]),
     (dict(use_profiler=True), NotImplementedError, ["use_profiler"]),
     (dict(kv_data_type=torch.float8_e5m2), NotImplementedError, ["kv_data_type"]),
@@ -474,12 +488,13 @@ def test_batch_attention_plan_errors(kw, exc, words):
     with raises(exc, *words):
         batch_attention(**kw)
     batch_attention(logits_soft_cap=0.0)  # "off" is accepted
+    w = batch_attention(logits_soft_cap=30.0)
+    assert w._attn.current_plan.options.softcap == 30.0
 
 
 @pytest.mark.parametrize("kw, words", [
     (dict(k_scale=0.5), ["k_scale"]),
     (dict(v_scale=torch.tensor(2.0)), ["v_scale", "Tensor"]),
-    (dict(logits_soft_cap=5.0), ["logits_soft_cap"]),
     (dict(profiler_buffer=torch.zeros(4)), ["profiler_buffer"]),
     (dict(kv_cache_sf=torch.zeros(4)), ["kv_cache_sf", "NVFP4"]),
 ])
@@ -487,6 +502,12 @@ def test_batch_attention_unsupported_run_arguments(kw, words):
     w = batch_attention()
     with raises(NotImplementedError, *words):
         w.run(torch.randn(21, HQ, D, dtype=BF16), caches(), **kw)
+
+
+def test_batch_attention_run_soft_cap_must_match_the_plan():
+    w = batch_attention(logits_soft_cap=30.0)
+    with raises(ValueError, "logits_soft_cap", "plan"):
+        w.run(torch.randn(21, HQ, D, dtype=BF16), caches(), logits_soft_cap=5.0)
 
 
 def test_batch_attention_run_validates_then_needs_hopper():

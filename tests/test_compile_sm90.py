@@ -40,6 +40,45 @@ def test_no_register_spills(compile_log):
     assert max(spills) == 0, [l for l in text.splitlines() if "spill stores" in l and " 0 bytes" not in l]
 
 
+FEATURE_ARGS = ["--features", "window+softcap+sinks", "--head-dims", "64,96,128,256",
+                "--groups", "4"]
+
+
+@pytest.fixture(scope="module")
+def feature_log():
+    """Variants with every model feature on (they compile on first use; this checks the
+    heaviest of them for each head dim and page class)."""
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_COMPILER_OPT="remarks{ptx}")
+    return subprocess.run(
+        [sys.executable, "-m", "podcute", "compile", "--arch", "sm_90a", "--check",
+         *FEATURE_ARGS], capture_output=True, text=True, env=env, timeout=1800)
+
+
+def test_feature_variants_compile_without_spills(feature_log):
+    assert feature_log.returncode == 0, feature_log.stdout[-3000:] + feature_log.stderr[-3000:]
+    lines = [l for l in feature_log.stdout.splitlines() if l.startswith("[")]
+    want = shipped_variants(head_dims=(64, 96, 128, 256), groups=(4,),
+                            features=("window+softcap+sinks",))
+    assert len(lines) == len(want) and all("window+softcap+sinks" in l for l in lines)
+    text = feature_log.stdout + feature_log.stderr
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", text)]
+    assert len(spills) >= len(want) and max(spills) == 0
+
+
+def test_every_selected_configuration_is_buildable():
+    """Every head dim x page class x group the API accepts has a configuration (even
+    K/V stage counts, shared memory and registers within the SM's)."""
+    from podcute.kernels.config import SUPPORTED_HEAD_DIMS, SUPPORTED_PAGE_SIZES
+
+    for d in SUPPORTED_HEAD_DIMS:
+        for page in SUPPORTED_PAGE_SIZES:
+            for g in (1, 3, 8, 32):
+                cfg = KernelConfig.select("bfloat16", d, g, page_size=page, window=True,
+                                          softcap=True, has_sinks=True)
+                assert cfg.can_implement() == (True, "")
+                assert cfg.num_stages % cfg.num_mma_warpgroups == 0
+
+
 def test_unsupported_arch_is_refused():
     proc = subprocess.run([sys.executable, "-m", "podcute", "compile", "--arch", "sm_80"],
                           capture_output=True, text=True)

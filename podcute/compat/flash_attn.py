@@ -23,10 +23,12 @@ Plans are reused across the layers of a step (``podcute.reuse``): the first call
 step's metadata plans (one device-to-host copy if the index tensors are on the GPU), the
 next calls with the same, unchanged tensors only launch.
 
+``window_size`` (sliding window, ``None`` or -1 = unbounded on a side), ``softcap`` and
+``s_aux`` (vLLM's name for gpt-oss's attention sinks, float32 [Hq]) are served as
+podcute's ``window_size``, ``softcap`` and ``sinks``.
 Arguments that change results and that podcute does not implement raise
-``NotImplementedError`` naming them: ``dropout_p > 0``, ``window_size`` other than
-unbounded, ``softcap > 0``, ``alibi_slopes``, ``return_attn_probs``, ``q_v``, fp8
-descale factors, ``s_aux`` (attention sinks), ``seqused_q``, context parallelism.
+``NotImplementedError`` naming them: ``dropout_p > 0``, ``alibi_slopes``,
+``return_attn_probs``, ``q_v``, fp8 descale factors, ``seqused_q``, context parallelism.
 Arguments that only tune speed (``num_splits``, ``scheduler_metadata``, ``pack_gqa``,
 ``deterministic``, ``fa_version``, ``sm_margin``) are accepted and do not change the
 result: podcute's planner chooses its own splits, and its forward pass is deterministic
@@ -50,25 +52,27 @@ def _unsupported(name: str, value, why: str) -> None:
                               f"podcute ({why})")
 
 
-def _check_semantics(dropout_p, window_size, softcap, alibi_slopes, return_attn_probs, q_v,
-                     q_descale, k_descale, v_descale, s_aux, seqused_q, cp_world_size,
-                     cp_rank, cp_tot_seqused_k) -> None:
+def _window(window_size) -> tuple:
+    """FlashAttention's window_size (None, or a pair whose sides may be None) as
+    podcute's (left, right), -1 = unbounded."""
+    if window_size is None:
+        return (-1, -1)
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(f"{_WHERE}window_size must be a pair (left, right), got {window_size!r}")
+    return tuple(-1 if side is None else side for side in window_size)
+
+
+def _check_semantics(dropout_p, alibi_slopes, return_attn_probs, q_v, q_descale, k_descale,
+                     v_descale, seqused_q, cp_world_size, cp_rank, cp_tot_seqused_k) -> None:
     """Refuse every argument that would change the result and that podcute lacks."""
     if dropout_p:
         _unsupported("dropout_p", dropout_p, "inference attention: dropout must be 0")
-    if window_size is not None:
-        left, right = tuple(window_size)
-        if not (left in (-1, None) and right in (-1, None)):
-            _unsupported("window_size", window_size, "no sliding window yet: pass (-1, -1)")
-    if softcap:
-        _unsupported("softcap", softcap, "no logit soft-capping yet: pass 0")
     for name, value, why in (
             ("alibi_slopes", alibi_slopes, "no ALiBi"),
             ("q_v", q_v, "no separate value-query (MLA) input"),
             ("q_descale", q_descale, "fp8 inputs are not supported yet"),
             ("k_descale", k_descale, "fp8 inputs are not supported yet"),
             ("v_descale", v_descale, "fp8 inputs are not supported yet"),
-            ("s_aux", s_aux, "no attention sinks yet"),
             ("seqused_q", seqused_q, "query lengths come from cu_seqlens_q"),
             ("cp_tot_seqused_k", cp_tot_seqused_k, "no context parallelism")):
         if value is not None:
@@ -130,23 +134,24 @@ def flash_attn_varlen_func(q, k, v, max_seqlen_q=None, cu_seqlens_q=None, max_se
         return_softmax_lse = bool(return_lse)
     att = call.plan()
     if not return_softmax_lse:
-        return att.run(q, call.k_cache, call.v_cache, out=out)
+        return att.run(q, call.k_cache, call.v_cache, out=out, sinks=s_aux)
     lse = torch.empty(att.num_qo_heads, q.shape[0], dtype=torch.float32, device=q.device)
-    out, _ = att.run(q, call.k_cache, call.v_cache, out=out, lse=lse.t())
+    out, _ = att.run(q, call.k_cache, call.v_cache, out=out, lse=lse.t(), sinks=s_aux)
     return out, lse
 
 
 def flash_attn_varlen_plan(q, k, v, max_seqlen_q=None, cu_seqlens_q=None, max_seqlen_k=None,
                            cu_seqlens_k=None, seqused_k=None, softmax_scale=None, causal=False,
-                           block_table=None, *, page_table=None, **unused) -> None:
+                           block_table=None, *, page_table=None, window_size=None, softcap=0.0,
+                           **unused) -> None:
     """Plan the batch of a coming `flash_attn_varlen_func` call without launching it:
     what an engine calls once per step before replaying a CUDA graph that captured the
     step's calls (the replayed launches read the plan of the latest call or this one;
     the captured calls themselves plan nothing while their metadata is unchanged). Takes
     the same arguments; `q`, `k`, `v` give shapes, dtype and device only."""
     _Call.of(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k, seqused_k,
-             None, 0.0, softmax_scale, causal, None, 0.0, None, False, block_table, None,
-             None, None, None, 1, 0, None, page_table, None).plan()
+             None, 0.0, softmax_scale, causal, window_size, softcap, None, False, block_table,
+             None, None, None, None, 1, 0, None, page_table, None).plan()
 
 
 class _Call:
@@ -177,9 +182,11 @@ class _Call:
                 raise ValueError("flash_attn_varlen_func: pass block_table or page_table, "
                                  "not both")
             block_table = page_table
-        _check_semantics(dropout_p, window_size, softcap, alibi_slopes, return_attn_probs,
-                         q_v, q_descale, k_descale, v_descale, s_aux, seqused_q,
-                         cp_world_size, cp_rank, cp_tot_seqused_k)
+        _check_semantics(dropout_p, alibi_slopes, return_attn_probs, q_v, q_descale,
+                         k_descale, v_descale, seqused_q, cp_world_size, cp_rank,
+                         cp_tot_seqused_k)
+        window = _window(window_size)
+        softcap = 0.0 if softcap is None else softcap
         for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
             if m is not None and (isinstance(m, bool) or not isinstance(m, (int, np.integer))
                                   or m < 0):
@@ -227,7 +234,8 @@ class _Call:
             # there: done only when a call plans, and read back in plan()'s one copy).
             kv_lens = seqused_k if seqused_k is not None else cu_seqlens_k[1:] - cu_seqlens_k[:-1]
             att.plan(cu_seqlens_q, kv_lens, causal=causal, sm_scale=softmax_scale,
-                     _kv_name="seqused_k", **pages)
+                     window_size=window, softcap=softcap, _kv_name="seqused_k", **pages)
 
         return _Call(att, planner, k_cache, v_cache, index_args,
-                     (causal, softmax_scale, page_size, block_table is None), plan)
+                     (causal, softmax_scale, page_size, block_table is None, window, softcap),
+                     plan)

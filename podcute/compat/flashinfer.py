@@ -29,8 +29,8 @@ How FlashInfer's conventions map onto podcute:
   device is the wrapper's: a CPU workspace plans on the host only, and run() then raises
   podcute's RuntimeError naming the Hopper GPU it needs;
 - features podcute does not implement raise ``NotImplementedError`` naming the argument
-  and what is supported: ``pos_encoding_mode`` other than ``"NONE"``, ``window_left !=
-  -1``, ``logits_soft_cap`` other than None/0, ``rope_scale``/``rope_theta``, custom
+  and what is supported: ``pos_encoding_mode`` other than ``"NONE"``,
+  ``rope_scale``/``rope_theta``, custom
   masks, fp8 scales other than None/1, KV dtypes other than q's (fp8), ``head_dim_qk !=
   head_dim_vo``, fp16 QK reduction, the profiler, NVFP4 scale factors, ``jit_args``;
 - arguments that only tune speed (``non_blocking``, ``enable_pdl``) are accepted and
@@ -89,8 +89,6 @@ def _is_unit(v):  # None or 1 (fp8 dequantisation scales)
 _FEATURES = {
     "pos_encoding_mode": (lambda v: v == "NONE", '"NONE" (apply RoPE to q and k before '
                           'attention)'),
-    "window_left": (lambda v: v == -1, "-1 (no sliding window)"),
-    "logits_soft_cap": (_is_off, "None or 0.0 (no soft-capping)"),
     "rope_scale": (_is_none, "None (no RoPE inside attention)"),
     "rope_theta": (_is_none, "None (no RoPE inside attention)"),
     "custom_mask": (_is_none, "None (causal or no mask)"),
@@ -104,6 +102,27 @@ _FEATURES = {
     "kv_cache_sf": (_is_none, "None (no NVFP4 caches)"),
     "jit_args": (_is_none, "None (podcute compiles its own kernel)"),
 }
+
+
+def _window(name: str, window_left) -> tuple:
+    """FlashInfer's ``window_left`` (keys p - window_left .. p, -1 = unbounded) as
+    podcute's window_size: (window_left, -1), which with causal is (window_left, 0) and
+    without it bounds the left side only, as FlashInfer does."""
+    if isinstance(window_left, bool) or not isinstance(window_left, (int, np.integer)):
+        raise TypeError(f"{name} must be an int (-1: no sliding window), got "
+                        f"{type(window_left).__name__}")
+    if window_left < -1:
+        raise ValueError(f"{name} must be -1 (no sliding window) or >= 0, got {window_left}")
+    return (int(window_left), -1)
+
+
+def _softcap(name: str, logits_soft_cap) -> float:
+    """FlashInfer's ``logits_soft_cap`` (None or 0: off) as podcute's softcap."""
+    if logits_soft_cap is None:
+        return 0.0
+    if isinstance(logits_soft_cap, bool) or not isinstance(logits_soft_cap, (int, float)):
+        raise TypeError(f"{name} must be a float or None, got {type(logits_soft_cap).__name__}")
+    return float(logits_soft_cap)
 
 
 def _check_features(**given) -> None:
@@ -367,8 +386,9 @@ class BatchPODWithPagedKVCacheWrapper(_Wrapper):
         """Plan the prefill batch (``*_p``) and the decode batch (``*_d``) as one podcute
         batch. Index tensors are int32, on the CPU (no device sync) or on the wrapper's
         device (one device->host copy for all eight)."""
-        _check_features(pos_encoding_mode=pos_encoding_mode, window_left=window_left,
-                        rope_scale=rope_scale, rope_theta=rope_theta)
+        _check_features(pos_encoding_mode=pos_encoding_mode, rope_scale=rope_scale,
+                        rope_theta=rope_theta)
+        window = _window("window_left", window_left)
         _check_bool("non_blocking", non_blocking)
         dtype = _plan_dtype(q_data_type, kv_data_type, data_type)
         self._attn = self._batch = None  # a failed plan() leaves no stale plan behind
@@ -385,7 +405,7 @@ class BatchPODWithPagedKVCacheWrapper(_Wrapper):
                              "them); after a capture the prefill token count is fixed")
         self._batch = SimpleNamespace(
             num_prefill=p.batch_size, total_p=p.total, total_d=d.total,
-            max_q_d=int(np.diff(d.qo).max(initial=0)), sm_scale=sm_scale,
+            max_q_d=int(np.diff(d.qo).max(initial=0)), sm_scale=sm_scale, window=window,
             cu=_int32("qo_indptr_p[-1] + qo_indptr_d", np.concatenate([p.qo, d.qo[1:] + p.total])),
             indptr=_int32("kv_indptr", np.concatenate([p.indptr, d.indptr[1:] + p.indptr[-1]])),
             indices=_int32("kv_indices", np.concatenate([p.indices, d.indices])),
@@ -410,7 +430,8 @@ class BatchPODWithPagedKVCacheWrapper(_Wrapper):
                  "kv_indptr": "kv_indptr_p/_d", "last_page_len": "last_page_len_p/_d"}
         with _flashinfer_names(names, note):
             self._attn.plan(b.cu, kv_indptr=b.indptr, kv_indices=b.indices,
-                            last_page_len=b.last_page_len, causal=causal, sm_scale=b.sm_scale)
+                            last_page_len=b.last_page_len, causal=causal, sm_scale=b.sm_scale,
+                            window_size=b.window)
 
     def _stage_rows(self, attn: PODAttention, rows: int) -> torch.Tensor:
         """The wrapper-owned q buffer with >= rows rows; it grows only until a capture."""
@@ -577,8 +598,9 @@ class PODWithPagedKVCacheWrapper(_Wrapper):
              rope_theta=None, non_blocking=True) -> None:
         """Plan the decode batch: request i has one query token and the CSR pages
         ``indices[indptr[i]:indptr[i+1]]`` with ``last_page_len[i]`` tokens in the last."""
-        _check_features(pos_encoding_mode=pos_encoding_mode, window_left=window_left,
-                        rope_scale=rope_scale, rope_theta=rope_theta)
+        _check_features(pos_encoding_mode=pos_encoding_mode, rope_scale=rope_scale,
+                        rope_theta=rope_theta)
+        window = _window("window_left", window_left)
         _check_bool("non_blocking", non_blocking)
         dtype = _plan_dtype(q_data_type, kv_data_type, data_type)
         self._decode = None
@@ -603,7 +625,7 @@ class PODWithPagedKVCacheWrapper(_Wrapper):
             attn.plan(np.arange(B + 1, dtype=np.int32), kv_indptr=ip,
                       kv_indices=_int32("indices", h["indices"]),
                       last_page_len=_int32("last_page_len", h["last_page_len"]),
-                      causal=causal, sm_scale=sm_scale)
+                      causal=causal, sm_scale=sm_scale, window_size=window)
         self._decode = attn
 
     begin_forward = plan
@@ -625,10 +647,10 @@ class PODWithPagedKVCacheWrapper(_Wrapper):
             raise TypeError(f"run() takes no arguments past enable_pdl, got {len(args)} more")
         _check_features(
             custom_mask_p=custom_mask_p, packed_custom_mask_p=packed_custom_mask_p,
-            pos_encoding_mode_p=pos_encoding_mode_p, window_left_p=window_left_p,
+            pos_encoding_mode_p=pos_encoding_mode_p,
             rope_scale_p=rope_scale_p, rope_theta_p=rope_theta_p, custom_mask_d=custom_mask_d,
             packed_custom_mask_d=packed_custom_mask_d, pos_encoding_mode_d=pos_encoding_mode_d,
-            window_left_d=window_left_d, rope_scale_d=rope_scale_d, rope_theta_d=rope_theta_d,
+            rope_scale_d=rope_scale_d, rope_theta_d=rope_theta_d,
             q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
             use_fp16_qk_reduction=use_fp16_qk_reduction)
         for name, v in (("causal_p", causal_p), ("return_lse_p", return_lse_p),
@@ -637,18 +659,23 @@ class PODWithPagedKVCacheWrapper(_Wrapper):
         _check_bool("enable_pdl", enable_pdl, optional=True)
         _check_layout("kv_layout_p", kv_layout_p)
         _check_layout("kv_layout_d", kv_layout_d)
+        window_p = _window("window_left_p", window_left_p)
         decode = _require_plan(self._decode)
+        planned = decode.current_plan.options.window_left
+        if _window("window_left_d", window_left_d)[0] not in (-1, planned):
+            raise ValueError(f"window_left_d={window_left_d} differs from plan()'s window_left "
+                             f"({planned}); the decode side uses plan()'s")
         if sm_scale_d is not None and sm_scale_d != decode.current_plan.sm_scale:
             raise ValueError(f"sm_scale_d={sm_scale_d!r} differs from plan()'s sm_scale "
                              f"({decode.current_plan.sm_scale}); the decode side uses plan()'s")
         prefill, k_pages, v_pages = self._plan_prefill(q_p, k_p, v_p, kv_layout_p, causal_p,
-                                                       sm_scale_p)
+                                                       sm_scale_p, window_p)
         _check_q("q_d", q_d, decode, decode.current_plan.total_q)
         k_d, v_d = unpack_paged_kv_cache(paged_kv_cache_d, self._kv_layout, "paged_kv_cache_d")
         _check_cache_dtype("paged_kv_cache_d", k_d, v_d, decode.dtype)
         return prefill.run(q_p, k_pages, v_pages), decode.run(q_d, k_d, v_d)
 
-    def _plan_prefill(self, q_p, k_p, v_p, kv_layout_p, causal_p, sm_scale_p):
+    def _plan_prefill(self, q_p, k_p, v_p, kv_layout_p, causal_p, sm_scale_p, window_p):
         """Check the prefill's tensors, plan it (unless planned already for this shape) and
         return its PODAttention with k_p / v_p viewed as its pages."""
         hq, hkv, d = self._decode.num_qo_heads, self._decode.num_kv_heads, self._decode.head_dim
@@ -673,7 +700,7 @@ class PODWithPagedKVCacheWrapper(_Wrapper):
         kv_len = k_p.shape[0 if kv_layout_p == "NHD" else 1]
         page = self._decode.page_size if kv_len % self._decode.page_size == 0 else 1
         attn = self._attention("prefill", hq, hkv, d, page, q_p.dtype)
-        key = (attn, q_p.shape[0], kv_len, causal_p, sm_scale_p)
+        key = (attn, q_p.shape[0], kv_len, causal_p, sm_scale_p, window_p)
         if self._prefill_key != key:
             if _capturing():
                 raise RuntimeError("the prefill's shape or settings changed under CUDA-graph "
@@ -686,7 +713,7 @@ class PODWithPagedKVCacheWrapper(_Wrapper):
                 attn.plan(np.array([0, q_p.shape[0]], np.int32), np.array([kv_len], np.int32),
                           kv_indptr=np.array([0, n], np.int32),
                           kv_indices=np.arange(n, dtype=np.int32), causal=causal_p,
-                          sm_scale=sm_scale_p)
+                          sm_scale=sm_scale_p, window_size=window_p)
             self._prefill_key = key
         return (attn, _ragged_as_pages(k_p, kv_layout_p, page, self._kv_layout),
                 _ragged_as_pages(v_p, kv_layout_p, page, self._kv_layout))
@@ -713,7 +740,8 @@ class BatchAttention(_Wrapper):
              use_profiler=False) -> None:
         """Plan a batch: request i has queries ``qo_indptr[i]:qo_indptr[i+1]``, KV length
         ``kv_len_arr[i]`` and pages ``kv_indices[kv_indptr[i]:kv_indptr[i+1]]``."""
-        _check_features(logits_soft_cap=logits_soft_cap, use_profiler=use_profiler)
+        _check_features(use_profiler=use_profiler)
+        softcap = _softcap("logits_soft_cap", logits_soft_cap)
         _check_int("head_dim_qk", head_dim_qk)
         _check_int("head_dim_vo", head_dim_vo)
         if head_dim_vo != head_dim_qk:
@@ -726,7 +754,7 @@ class BatchAttention(_Wrapper):
                                dtype, head_dim_name="head_dim_qk")
         with _flashinfer_names({"cu_seqlens_q": "qo_indptr"}):
             attn.plan(qo_indptr, kv_len_arr, kv_indptr=kv_indptr, kv_indices=kv_indices,
-                      causal=causal, sm_scale=sm_scale, _kv_name="kv_len_arr")
+                      causal=causal, sm_scale=sm_scale, softcap=softcap, _kv_name="kv_len_arr")
         self._attn = attn
 
     def run(self, q, kv_cache, out=None, lse=None, k_scale=None, v_scale=None,
@@ -734,9 +762,13 @@ class BatchAttention(_Wrapper):
         """Attention of the planned batch. Returns ``(out, lse)``: out [rows, Hq, D] in
         q's dtype, lse float32 [rows, Hq] in base 2 (FlashInfer's); ``out``/``lse`` are
         filled when given (rows past ``qo_indptr[-1]`` are left as they are)."""
-        _check_features(k_scale=k_scale, v_scale=v_scale, logits_soft_cap=logits_soft_cap,
-                        profiler_buffer=profiler_buffer, kv_cache_sf=kv_cache_sf)
+        _check_features(k_scale=k_scale, v_scale=v_scale, profiler_buffer=profiler_buffer,
+                        kv_cache_sf=kv_cache_sf)
         attn = _require_plan(self._attn)
+        cap = _softcap("logits_soft_cap", logits_soft_cap)
+        if cap not in (0.0, attn.current_plan.options.softcap):
+            raise ValueError(f"logits_soft_cap={logits_soft_cap} differs from plan()'s "
+                             f"({attn.current_plan.options.softcap}); pass it to plan()")
         k, v = unpack_paged_kv_cache(kv_cache, self._kv_layout, "kv_cache")
         out, lse = attn.run(q, k, v, out=out, return_lse=True, lse=lse)
         lse[: attn.current_plan.total_q].mul_(LOG2E)
