@@ -305,17 +305,25 @@ class PODAttention:
     def _common_case(self, plan: Plan, q, k_cache, v_cache, out) -> bool:
         """True if the run() arguments are valid: right types, dtypes, device, shapes,
         contiguous last dims, 16-byte aligned rows, pages inside the cache (the checks of
-        _validate_run, in one expression)."""
-        dt, dev = self.dtype, self.device
+        _validate_run, in one pass: each tensor's shape, strides and address are read
+        once; this runs once per layer)."""
+        dt, dev, strided = self.dtype, self.device, torch.strided
         try:
-            tensors = (q, k_cache, v_cache) if out is None else (q, k_cache, v_cache, out)
-            for t in tensors:
-                if (type(t) is not torch.Tensor or t.dtype is not dt or t.device != dev
-                        or t.layout is not torch.strided):
+            spans = []
+            for t in (q, k_cache, v_cache) if out is None else (q, k_cache, v_cache, out):
+                if (type(t) is not torch.Tensor or t.dtype is not dt or t.layout is not strided
+                        or t.device != dev):
                     return False
-                *rows, last = t.stride()
-                if last != 1 or t.data_ptr() & 15 or any(r & 7 for r in rows):
+                st, shape, ptr = t.stride(), t.shape, t.data_ptr()
+                if st[-1] != 1 or ptr & 15:
                     return False
+                span = shape[-1]  # elements from the first to the last + 1 (strides >= 0)
+                for n, r in zip(shape[:-1], st[:-1]):
+                    if r & 7:
+                        return False
+                    span += (n - 1) * r
+                # (a 16-bit dtype: self.dtype; an empty tensor spans nothing)
+                spans.append((ptr, ptr + 2 * span) if 0 not in shape else (0, 0))
             if out is not None:
                 # no zero strides (the row checks above cover overlapping rows only when the
                 # strides are dense) and no overlap with what the kernel reads
@@ -323,13 +331,15 @@ class PODAttention:
                 if (so[0] < out.shape[1] * so[1] or so[1] < out.shape[2]
                         or out.shape != q.shape):
                     return False
-                if _overlapped(out, zip(("q", "k_cache", "v_cache"), tensors)) is not None:
-                    return False
+                lo, hi = spans[3]
+                for tlo, thi in spans[:3]:
+                    if lo < thi and tlo < hi:
+                        return False
             return (q.shape[0] >= plan.total_q and q.shape[1:] == self._q_tail
                     and q.shape[0] < 2**31
                     and k_cache.shape[1:] == self._cache_tail and v_cache.shape == k_cache.shape
                     and plan.pages_within(k_cache.shape[0]))
-        except (AttributeError, TypeError, ValueError):
+        except (AttributeError, TypeError, ValueError, IndexError):
             return False
 
     def _validate_run(self, plan: Plan, q, k_cache, v_cache, out) -> None:

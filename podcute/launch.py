@@ -43,7 +43,7 @@ def variant_config(plan_config, options, has_lse: bool, has_sinks: bool):
 
 def _kernel(device, dtype, plan_config, options, has_lse: bool, has_sinks: bool):
     """The compiled kernel for a plan's configuration: a dict hit after the first call."""
-    facts = (device, dtype, id(plan_config), options, has_lse, has_sinks)
+    facts = (device, dtype, id(plan_config), options.variant, has_lse, has_sinks)
     hit = _variants.get(facts)
     if hit is None or hit[0] is not plan_config:
         require_sm90(device)

@@ -262,6 +262,11 @@ class PlanOptions:
         return dict(causal=self.bounded_right, window=self.has_window,
                     softcap=self.softcap > 0)
 
+    @cached_property
+    def variant(self) -> tuple:
+        """kernel_flags() as a tuple, made once (launch's per-call dict key)."""
+        return tuple(self.kernel_flags().values())
+
 
 @dataclass(frozen=True)
 class PlanConfig:

@@ -359,3 +359,64 @@ def test_demo_runs_on_cpu():
     assert "129 requests (1 prefill, 128 decode)" in r.stdout
     assert "balance" in r.stdout and "predicted" in r.stdout
 
+
+
+def test_run_fast_path_never_passes_a_bad_call():
+    """run()'s one-pass check (_common_case) may only say yes to calls the detailed checks
+    (_validate_run) accept: random good and bad q / cache / out variants."""
+    import random
+
+    rng = random.Random(0)
+    a = attn()
+    g = good()
+    a.plan(g["cu"], g["kvl"], block_table=g["bt"])
+    plan = a.current_plan
+    pool = torch.randn(64 * 1024, dtype=torch.bfloat16)
+
+    def variant(base, kind):
+        if kind == "ok":
+            return base
+        if kind == "dtype":
+            return base.half()
+        if kind == "transposed":  # last dim not contiguous
+            return base.transpose(-1, -2).contiguous().transpose(-1, -2)
+        if kind == "misaligned":  # a row stride that is not a multiple of 8 elements
+            flat = torch.empty(base.numel() + base.shape[0] * 4, dtype=base.dtype)
+            st = list(base.stride())
+            st[0] += 4 if base.dim() == 3 else 0
+            return flat.as_strided(base.shape, st)
+        if kind == "offset":  # data pointer not 16-byte aligned
+            flat = torch.empty(base.numel() + 8, dtype=base.dtype)
+            return flat[1: 1 + base.numel()].view(base.shape)
+        if kind == "shape":
+            return base[:-1]
+        if kind == "empty":
+            return base[:0]
+        raise AssertionError(kind)
+
+    kinds = ["ok"] * 6 + ["dtype", "transposed", "misaligned", "offset", "shape", "empty"]
+    checked = passed = 0
+    for _ in range(400):
+        q = variant(g["q"], rng.choice(kinds))
+        k = variant(g["k"], rng.choice(kinds))
+        v = k if rng.random() < 0.2 else variant(g["v"], rng.choice(kinds))
+        out = None
+        r = rng.random()
+        if r < 0.3:
+            out = variant(torch.empty_like(g["q"]), rng.choice(kinds))
+        elif r < 0.4:
+            out = q  # in place: overlaps q
+        elif r < 0.5:
+            out = pool[: g["q"].numel()].view(g["q"].shape) if rng.random() < 0.5 else \
+                torch.empty(1, HQ, D, dtype=torch.bfloat16).expand(g["q"].shape)
+        fast = a._common_case(plan, q, k, v, out)
+        try:
+            a._validate_run(plan, q, k, v, out)
+            valid = True
+        except (TypeError, ValueError):
+            valid = False
+        checked += 1
+        passed += fast
+        assert valid or not fast, (q.shape, q.stride(), k.shape, None if out is None else
+                                   (out.shape, out.stride()))
+    assert checked == 400 and passed > 20
