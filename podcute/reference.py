@@ -43,12 +43,41 @@ def _request_pages(i, n, block_table, kv_indptr_host, kv_indices):
     return pages.long()
 
 
-def _gather_tokens(cache, pages, kv_len, kv_layout):
-    """[kv_len, Hkv, D] float32 tokens of one request, in order."""
+def _gather_tokens(cache, pages, kv_len, kv_layout, scale=None):
+    """[kv_len, Hkv, D] float32 tokens of one request, in order; an fp8 cache's tokens
+    dequantised (x scale, per KV head or per tensor)."""
     g = cache.index_select(0, pages)
     if kv_layout == "HND":
         g = g.transpose(1, 2)  # -> [n, page_size, Hkv, D]
-    return g.reshape(-1, g.shape[-2], g.shape[-1])[:kv_len].float()
+    tokens = g.reshape(-1, g.shape[-2], g.shape[-1])[:kv_len].float()
+    if scale is not None:
+        tokens = tokens * scale.view(-1, 1)  # [Hkv] or [1] against [kv_len, Hkv, D]
+    return tokens
+
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _check_scale(name, scale, cache, hkv, device):
+    """The dequantisation scale of an fp8 cache as a float32 [Hkv] or [1] tensor, or None
+    for a 16-bit cache (which takes no scale)."""
+    if cache.dtype not in FP8_DTYPES:
+        if scale is not None:
+            raise ValueError(f"{name} is only for fp8 caches; this cache is {cache.dtype}")
+        return None
+    if scale is None:
+        scale = 1.0
+    if isinstance(scale, torch.Tensor):
+        if scale.dim() > 1 or scale.numel() not in (1, hkv) or (scale.dim() == 1 and
+                                                                scale.numel() != hkv):
+            raise ValueError(f"{name} must be a float, or a tensor of shape [] or [Hkv] = "
+                             f"[{hkv}], got shape {list(scale.shape)}")
+        t = scale.to(device=device, dtype=torch.float32).reshape(-1)
+    else:
+        t = torch.tensor([float(scale)], dtype=torch.float32, device=device)
+    if not bool(torch.isfinite(t).all()) or not bool((t > 0).all()):
+        raise ValueError(f"{name} must be finite and > 0")
+    return t
 
 
 def _attend(q, k, v, first_pos, causal, sm_scale, window=(-1, -1), softcap=0.0, sinks=None):
@@ -146,6 +175,8 @@ def pod_attention_reference(
     window_size=(-1, -1),
     softcap=0.0,
     sinks=None,
+    k_scale=None,
+    v_scale=None,
 ):
     """Paged attention of a mixed prefill/decode batch, computed in float32.
 
@@ -166,6 +197,11 @@ def pod_attention_reference(
     A row that sees no key (kv_len == 0, causal with q_len > kv_len, which the API
     rejects, or a window that excludes every key) gets out 0 and lse -inf (lse = sink
     with sinks); rows of q that no request covers get 0 and -inf.
+
+    fp8 caches (torch.float8_e4m3fn / float8_e5m2, docs/contract.md "fp8 KV caches"):
+    keys are k_fp8 * k_scale and values v_fp8 * v_scale, each scale a float or a float32
+    tensor of shape [] or [Hkv] (default 1.0); the attention is computed on those
+    dequantised values in float32. 16-bit caches take no scale.
     Only the minimum is validated here; the API validates its inputs fully.
     """
     if kv_layout not in ("NHD", "HND"):
@@ -181,6 +217,9 @@ def pod_attention_reference(
     page_size = k_cache.shape[1] if kv_layout == "NHD" else k_cache.shape[2]
     scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
     window, cap, sinks = _check_features(window_size, softcap, sinks, hq, q.device)
+    hkv = k_cache.shape[-2 if kv_layout == "NHD" else 1]
+    k_scale = _check_scale("k_scale", k_scale, k_cache, hkv, q.device)
+    v_scale = _check_scale("v_scale", v_scale, v_cache, hkv, q.device)
 
     # One host sync per metadata tensor, not per request.
     q_starts = cu_seqlens_q.tolist()
@@ -196,8 +235,8 @@ def pod_attention_reference(
                 continue  # padding request: writes nothing
             n_pages = -(-kv_len // page_size)
             pages = _request_pages(i, n_pages, block_table, kv_indptr_host, kv_indices)
-            k = _gather_tokens(k_cache, pages, kv_len, kv_layout)
-            v = _gather_tokens(v_cache, pages, kv_len, kv_layout)
+            k = _gather_tokens(k_cache, pages, kv_len, kv_layout, k_scale)
+            v = _gather_tokens(v_cache, pages, kv_len, kv_layout, v_scale)
             first_pos = kv_len - (q1 - q0)
             chunk = max(1, _SCORE_BUDGET // max(1, hq * kv_len))
             for c0 in range(q0, q1, chunk):

@@ -189,6 +189,35 @@ def make_batch(
     )
 
 
+def quantize_kv_cache(cache, kv_layout="NHD", dtype=torch.float8_e4m3fn, per_head=True):
+    """An fp8 copy of a 16-bit KV cache and its dequantisation scale (tests, demo and
+    benchmarks; engines write their own caches): scale = amax / the format's largest
+    finite value, per KV head ([Hkv] float32) or per tensor ([] float32), over the finite
+    values (garbage NaN stays NaN, so it still must not reach the output), and
+    cache_fp8 = round(cache / scale), saturated. Dequantised: cache_fp8.float() * scale."""
+    if dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise ValueError(f"dtype must be torch.float8_e4m3fn or float8_e5m2, got {dtype}")
+    if kv_layout not in ("NHD", "HND"):
+        raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
+    fmax = torch.finfo(dtype).max
+    x = cache.float()
+    head_dim = 2 if kv_layout == "NHD" else 1
+    finite = torch.where(torch.isfinite(x), x.abs(), torch.zeros((), device=x.device))
+    if per_head:
+        dims = [d for d in range(x.dim()) if d != head_dim]
+        amax = finite.amax(dim=dims)
+        shape = [1] * x.dim()
+        shape[head_dim] = -1
+        view = amax.view(shape)
+    else:
+        amax = finite.amax()
+        view = amax
+    scale = torch.where(amax > 0, amax / fmax, torch.ones_like(amax))
+    q = torch.where(torch.isfinite(x), (x / torch.where(view > 0, view / fmax, 1.0)).clamp(
+        -fmax, fmax), x)
+    return q.to(dtype), scale.to(torch.float32)
+
+
 def random_lengths(
     rng: random.Random, num_decode, num_prefill, *, max_kv_len, max_decode_q=1, max_prefill_q=None
 ):

@@ -634,3 +634,63 @@ def feature_batches(draw):
 def test_random_batches_with_features(case):
     batch, causal, features = case
     check(batch, causal, **features)
+
+
+# ---- fp8 caches (the contract's dequantisation; the kernel reads them in issue 11) ------
+
+
+@pytest.mark.parametrize("per_head", [True, False])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_fp8_cache_is_attention_on_the_dequantised_cache(per_head, layout):
+    from podcute.testing import make_batch, quantize_kv_cache
+
+    b = make_batch([7, 1, 3], [50, 17, 33], num_qo_heads=8, num_kv_heads=2, head_dim=64,
+                   page_size=16, kv_layout=layout, seed=5)
+    k8, ks = quantize_kv_cache(b.k_cache, layout, per_head=per_head)
+    v8, vs = quantize_kv_cache(b.v_cache, layout, per_head=per_head)
+    assert k8.dtype == torch.float8_e4m3fn and ks.shape == ((2,) if per_head else ())
+    head = 2 if layout == "NHD" else 1
+    shape = [1] * 4
+    shape[head] = -1
+    kd = k8.float() * (ks.view(shape) if per_head else ks)
+    vd = v8.float() * (vs.view(shape) if per_head else vs)
+    kw = b.kwargs()
+    out, lse = pod_attention_reference(b.q, k8, v8, k_scale=ks, v_scale=vs, return_lse=True,
+                                       **kw)
+    ref, ref_lse = pod_attention_reference(b.q, kd, vd, return_lse=True, **kw)
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+    # a float scale is the per-tensor form
+    s = float(ks.max())
+    a = pod_attention_reference(b.q, k8, v8, k_scale=s, v_scale=2.0, **kw)
+    c = pod_attention_reference(b.q, k8.float() * s, v8.float() * 2.0, **kw)
+    assert torch.equal(a, c)
+
+
+def test_quantize_kv_cache_bounds_and_garbage():
+    from podcute.testing import quantize_kv_cache
+
+    x = torch.randn(6, 16, 4, 64) * torch.tensor([0.01, 1.0, 30.0, 500.0]).view(1, 1, 4, 1)
+    x[0, 0, 0, 0] = float("nan")
+    for dtype, rel in ((torch.float8_e4m3fn, 2.0**-4), (torch.float8_e5m2, 2.0**-3)):
+        q, s = quantize_kv_cache(x, "NHD", dtype=dtype)
+        d = q.float() * s.view(1, 1, 4, 1)
+        fin = torch.isfinite(x)
+        assert torch.isnan(d[0, 0, 0, 0]) and torch.isfinite(d[fin]).all()
+        tiny = s.view(1, 1, 4, 1).expand_as(x)[fin] * 2.0**-6  # subnormal spacing
+        assert ((d[fin] - x[fin]).abs() <= rel * x[fin].abs() + tiny).all()
+        assert torch.allclose(s, x.nan_to_num(0).abs().amax(dim=(0, 1, 3)) /
+                              torch.finfo(dtype).max)
+
+
+def test_fp8_scale_errors():
+    from podcute.testing import make_batch, quantize_kv_cache
+
+    b = make_batch([2], [20], num_qo_heads=4, num_kv_heads=2, head_dim=64, page_size=16)
+    k8, ks = quantize_kv_cache(b.k_cache)
+    kw = b.kwargs()
+    for bad, match in ((torch.ones(3), "Hkv"), (torch.ones(2, 2), "Hkv"), (0.0, "> 0"),
+                       (float("nan"), "finite"), (torch.tensor([1.0, -1.0]), "> 0")):
+        with pytest.raises(ValueError, match=match):
+            pod_attention_reference(b.q, k8, k8, k_scale=bad, **kw)
+    with pytest.raises(ValueError, match="only for fp8"):
+        pod_attention_reference(b.q, b.k_cache, b.v_cache, k_scale=ks, **kw)
