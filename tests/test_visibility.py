@@ -59,7 +59,7 @@ def _random_items(rng, group, causal, tile_n, right, left):
 @pytest.mark.parametrize("group,causal,tile_n,right,left", [
     (1, True, 128, 0, -1), (4, True, 128, 0, -1), (7, True, 64, 0, -1), (8, False, 128, 0, -1),
     (32, True, 128, 0, -1), (1, True, 128, 0, 300), (4, True, 64, 37, 5), (8, False, 128, 0, 1000),
-    (2, True, 128, 4000, 0)])
+    (2, True, 128, 4000, 0), (4, False, 128, 0, 2**31 - 1025)])
 def test_host_and_device_bounds_agree(group, causal, tile_n, right, left):
     rng = np.random.default_rng(group * 10 + causal + left)
     items = _random_items(rng, group, causal, tile_n, right, left)

@@ -38,8 +38,10 @@ def apply_mask(
         if cutlass.const_expr(causal):
             limit = cutlass.min(limit, pos + 1 + right)
         if cutlass.const_expr(window):
-            # Keys before pos - left are masked; left < 0 (unbounded) masks none.
-            first = pos - left
+            # Keys before pos - left are masked; left < 0 (unbounded) masks none. (pos -
+            # min(left, pos + 1): the same columns, without pos - left passing below int32
+            # for a window of ~2**31 tokens.)
+            first = pos - cutlass.min(left, pos + 1)
             if left < 0:
                 first = Int32(0)
             for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):

@@ -85,6 +85,9 @@ def left_mask_until(kv_len, q_len, row_end, group: int, left, tile_n: int):
     """Device twin of :func:`left_mask_until_host`; ``left`` is a runtime Int32."""
     import cutlass
 
-    lo = cutlass.max(kv_len - q_len + (row_end - 1) // group - left, 0)
+    # max(p_last - left, 0) without forming p_last - left, which a window of ~2**31 tokens
+    # would take below int32 (p_last >= -2**23: q_len is bounded, left is not).
+    p_last = cutlass.max(kv_len - q_len + (row_end - 1) // group, 0)
+    lo = p_last - cutlass.min(left, p_last)
     # (a product, not a branch: this is traced outside any @cute.jit scope)
     return (lo + tile_n - 1) // tile_n * cutlass.Int32(left >= 0)
