@@ -15,7 +15,8 @@ from .paged_kv import (
     kv_tma_view,
     split_token,
 )
-from .ragged import packed_coord, packed_lse, packed_rows, partial_lse, partial_rows
+from .ragged import (packed_coord, packed_head, packed_lse, packed_rows, partial_lse,
+                     partial_rows)
 
 __all__ = [
     "KV_LAYOUTS",
@@ -29,6 +30,7 @@ __all__ = [
     "kv_tma_view",
     "split_token",
     "packed_coord",
+    "packed_head",
     "packed_lse",
     "packed_rows",
     "partial_lse",

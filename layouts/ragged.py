@@ -31,6 +31,12 @@ def packed_coord(r, group: int):
     return r // group, r % group
 
 
+def packed_head(r, kv_head, group: int):
+    """Query head of packed row ``r`` of KV head ``kv_head`` (a per-head value such as an
+    attention sink is indexed with it)."""
+    return kv_head * group + packed_coord(r, group)[1]
+
+
 def packed_rows(mX: cute.Tensor, token_start, num_tokens, kv_head, group: int) -> cute.Tensor:
     """``((group, num_tokens), D)`` view of q/out ``[total_q, Hq, D]`` for one request
     (tokens ``token_start ..``) and one KV head.

@@ -63,8 +63,7 @@ def main(argv=None) -> int:
     for key, secs, _ in compile_many(keys, args.j):
         c = key.config
         print(f"{c.dtype} d{c.head_dim} g{c.group} causal={c.causal} lse={c.has_lse} "
-              f"kv_box={c.kv_box} window={c.window} softcap={c.softcap} "
-              f"sinks={c.has_sinks} {secs:.1f}s", flush=True)
+              f"kv_box={c.kv_box} {c.features or 'no features'} {secs:.1f}s", flush=True)
     return 0
 
 

@@ -84,12 +84,20 @@ def _check_aligned_rows(*named):
                              f"{tuple(t.stride())} and data pointer {t.data_ptr():#x}")
 
 
-def _extent(t: torch.Tensor) -> tuple[int, int]:
-    """[first, last + 1) byte addresses a tensor's elements span (torch strides are >= 0)."""
-    if t.numel() == 0:
+def _byte_range(ptr: int, shape, stride, elem_size: int) -> tuple[int, int]:
+    """[first, last + 1) byte addresses of the elements of a tensor with this data
+    pointer, shape and strides (torch strides are >= 0); (0, 0) when it is empty."""
+    if 0 in shape:
         return 0, 0
-    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-    return t.data_ptr(), t.data_ptr() + span * t.element_size()
+    span = 1
+    for n, st in zip(shape, stride):
+        span += (n - 1) * st
+    return ptr, ptr + span * elem_size
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """_byte_range of a tensor."""
+    return _byte_range(t.data_ptr(), t.shape, t.stride(), t.element_size())
 
 
 def _check_dense(name: str, t) -> None:
@@ -317,13 +325,10 @@ class PODAttention:
                 st, shape, ptr = t.stride(), t.shape, t.data_ptr()
                 if st[-1] != 1 or ptr & 15:
                     return False
-                span = shape[-1]  # elements from the first to the last + 1 (strides >= 0)
-                for n, r in zip(shape[:-1], st[:-1]):
+                for r in st[:-1]:
                     if r & 7:
                         return False
-                    span += (n - 1) * r
-                # (a 16-bit dtype: self.dtype; an empty tensor spans nothing)
-                spans.append((ptr, ptr + 2 * span) if 0 not in shape else (0, 0))
+                spans.append(_byte_range(ptr, shape, st, 2))  # (self.dtype is 16-bit)
             if out is not None:
                 # no zero strides (the row checks above cover overlapping rows only when the
                 # strides are dense) and no overlap with what the kernel reads

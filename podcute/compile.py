@@ -19,7 +19,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from podcute.kernels.config import SUPPORTED_ARCHS, KernelConfig
+from podcute.kernels.config import SUPPORTED_ARCHS, KernelConfig, feature_flags
 from podcute.kernels.metadata import MERGE_COLS, NUM_PARAMS, WORK_COLS
 
 
@@ -186,20 +186,6 @@ def _export_entry(path: Path, pod) -> None:
         tmp.unlink(missing_ok=True)
 
 
-FEATURES = ("window", "softcap", "sinks")  # model features a variant may carry
-
-
-def feature_flags(spec: str) -> dict:
-    """KernelConfig flags of a feature spec: "" (none) or names joined by "+"
-    ("window+sinks"); ValueError for an unknown name."""
-    names = [n for n in spec.split("+") if n]
-    unknown = [n for n in names if n not in FEATURES]
-    if unknown:
-        raise ValueError(f"unknown feature(s) {unknown}: features are {FEATURES}, joined by '+'")
-    return dict(window="window" in names, softcap="softcap" in names,
-                has_sinks="sinks" in names)
-
-
 def shipped_variants(arch: str = "sm_90a", head_dims=(64, 96, 128, 256), groups=(1, 4, 7, 8),
                      features=("",)):
     """The variants `python -m podcute compile` builds ahead of time (and CI compiles).
@@ -337,11 +323,10 @@ def compile_all(arch: str, check: bool = False, out=None, jobs: int | None = Non
                 failures.append(key)
         bar = "#" * (30 * i // len(variants))
         c = key.config
-        feats = "+".join(n for n, on in (("window", c.window), ("softcap", c.softcap),
-                                         ("sinks", c.has_sinks)) if on)
         print(f"[{bar:<30}] {i}/{len(variants)} {c.dtype} d{c.head_dim} g{c.group} "
               f"causal={c.causal} lse={c.has_lse} kv_box={c.kv_box}"
-              f"{' ' + feats if feats else ''} {secs:.1f}s{note}", file=out, flush=True)
+              f"{' ' + c.features if c.features else ''} {secs:.1f}s{note}", file=out,
+              flush=True)
     print(f"compiled {len(variants)} variants for {arch} in {time.perf_counter() - start:.1f}s"
           f" ({jobs} processes); {len(failures)} failed checks", file=out)
     return 1 if failures else 0

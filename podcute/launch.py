@@ -35,19 +35,14 @@ def require_sm90(device: torch.device) -> None:
 _variants: dict = {}
 
 
-def variant_config(plan_config, options, has_lse: bool, has_sinks: bool):
-    """The KernelConfig a plan's configuration and options compile to."""
-    return plan_config.kernel.with_flags(has_lse=has_lse, has_sinks=has_sinks,
-                                         **options.kernel_flags())
-
-
 def _kernel(device, dtype, plan_config, options, has_lse: bool, has_sinks: bool):
     """The compiled kernel for a plan's configuration: a dict hit after the first call."""
     facts = (device, dtype, id(plan_config), options.variant, has_lse, has_sinks)
     hit = _variants.get(facts)
     if hit is None or hit[0] is not plan_config:
         require_sm90(device)
-        cfg = variant_config(plan_config, options, has_lse, has_sinks)
+        cfg = plan_config.kernel.with_flags(has_lse=has_lse, has_sinks=has_sinks,
+                                            **options.kernel_flags())
         hit = (plan_config, compile_variant(VariantKey.make(cfg)))
         _variants[facts] = hit
     return hit[1]

@@ -52,7 +52,7 @@ import torch
 from podcute.kernels.config import SUPPORTED_PAGE_SIZES, KernelConfig
 from podcute.kernels.metadata import (KIND_BITS, MERGE_COLS, NUM_PARAMS, WORK_COLS, IParam,
                                       Kind, MergeCol, Param, WorkCol)
-from podcute.kernels.visibility import visible_end_host, visible_start_host
+from podcute.kernels.visibility import load_start_host, visible_end_host
 
 _ALIGN = 16  # int32 elements: metadata segments start on 64-byte boundaries
 _ROW = np.dtype((np.void, WORK_COLS * 4))  # a work row as one element: fast row gathers
@@ -1025,8 +1025,7 @@ class Planner:
             # keys no row of the item sees are never loaded
             e = visible_end_host(kvl[req], q_len[req], row_end, G, bounded, right)
             if left >= 0:  # nor those left of every row's window (whole tiles)
-                b = visible_start_host(kvl[req], q_len[req], row_start, G, left)
-                b = np.minimum(b // tn, e // tn) * tn
+                b = load_start_host(kvl[req], q_len[req], row_start, G, left, e, tn)
                 e_len = e - b  # the zigzag sorts by the work, not the end
             else:
                 b, e_len = None, e
@@ -1083,8 +1082,7 @@ class Planner:
                 d_e = visible_end_host(d_kv, d_q, d_rows, G, bounded, right)
                 kv_end[n0p:].reshape(dreq.size, Hkv)[:] = d_e[:, None]
                 if left >= 0:
-                    d_b = visible_start_host(d_kv, d_q, 0, G, left)
-                    d_b = np.minimum(d_b // tn, d_e // tn) * tn
+                    d_b = load_start_host(d_kv, d_q, 0, G, left, d_e, tn)
                     kv_begin[n0p:].reshape(dreq.size, Hkv)[:] = d_b[:, None]
             else:
                 kv_end[n0p:].reshape(dreq.size, Hkv)[:] = d_kv[:, None]

@@ -16,7 +16,7 @@ import torch
 
 from podcute import PODAttention
 from podcute.reference import pod_attention_reference
-from podcute.testing import (EXTRA_FEATURE_CASES, FEATURE_CASES, NUM_SPLIT_CASES,
+from podcute.testing import (CHECK_DEFAULTS, EXTRA_FEATURE_CASES, FEATURE_CASES, NUM_SPLIT_CASES,
                              RANDOM_FEATURE_PRESETS, RANDOM_FEATURE_SHAPES, make_batch)
 
 pytestmark = pytest.mark.gpu
@@ -49,10 +49,13 @@ def _wrapper(hq, hkv, d, page, dtype, layout):
     return _wrappers[key]
 
 
-def check(name, q_lens, kv_lens, *, hq=8, hkv=2, d=128, page=16, dtype=torch.bfloat16,
-          layout="NHD", fmt="table", causal=True, interleaved=False, strided_q=False,
-          seed=0, pad_rows=0, window_size=(-1, -1), softcap=0.0, sinks=False,
-          batch_invariant=False):
+_D = CHECK_DEFAULTS  # (perf.warm_cache compiles the feature cases' variants from them)
+
+
+def check(name, q_lens, kv_lens, *, hq=_D["hq"], hkv=_D["hkv"], d=_D["d"], page=_D["page"],
+          dtype=_D["dtype"], layout="NHD", fmt="table", causal=_D["causal"], interleaved=False,
+          strided_q=False, seed=0, pad_rows=0, window_size=_D["window_size"],
+          softcap=_D["softcap"], sinks=_D["sinks"], batch_invariant=False):
     """One batch against the reference; `sinks` True draws random per-head sink logits."""
     b = make_batch(q_lens, kv_lens, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d,
                    page_size=page, dtype=dtype, device="cuda", kv_layout=layout,

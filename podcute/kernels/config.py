@@ -15,10 +15,25 @@ SUPPORTED_PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # powers of two: the 
 SUPPORTED_ARCHS = ("sm_90a",)
 SUPPORTED_DTYPES = ("bfloat16", "float16")
 
+# Model features a variant may carry, as named in a feature spec ("window+sinks"): the
+# KernelConfig flag of each.
+FEATURES = {"window": "window", "softcap": "softcap", "sinks": "has_sinks"}
+
 WARPGROUP_THREADS = 128
 # Hopper: 227 KB of shared memory per CTA (opt-in), 64K 32-bit registers per SM.
 SMEM_BYTES_PER_SM = 227 * 1024
 REGISTERS_PER_SM = 64 * 1024
+
+
+def feature_flags(spec: str) -> dict:
+    """KernelConfig flags of a feature spec: "" (none) or names joined by "+"
+    ("window+sinks"); ValueError for an unknown name. KernelConfig.features inverts it."""
+    names = [n for n in spec.split("+") if n]
+    unknown = [n for n in names if n not in FEATURES]
+    if unknown:
+        raise ValueError(f"unknown feature(s) {unknown}: features are {tuple(FEATURES)}, "
+                         "joined by '+'")
+    return {flag: name in names for name, flag in FEATURES.items()}
 
 
 @dataclass(frozen=True)
@@ -168,13 +183,18 @@ class KernelConfig:
         return REGISTERS_PER_SM // (self.ctas_per_sm * self.num_threads) // 8 * 8
 
     @property
+    def features(self) -> str:
+        """The feature spec of this variant ("" without any; feature_flags inverts it)."""
+        return "+".join(name for name, flag in FEATURES.items() if getattr(self, flag))
+
+    @property
     def tma_kv(self) -> bool:
         return self.kv_box > 0
 
     def with_flags(self, **flags) -> "KernelConfig":
         """The same tiling with other per-launch flags (what launch() specialises):
         causal, has_lse, window, softcap, has_sinks; None keeps a flag as it is."""
-        allowed = ("causal", "has_lse", "window", "softcap", "has_sinks")
+        allowed = ("causal", "has_lse", *FEATURES.values())
         unknown = set(flags) - set(allowed)
         if unknown:
             raise TypeError(f"with_flags: unknown flags {sorted(unknown)} (flags: {allowed})")

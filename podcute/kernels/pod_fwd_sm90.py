@@ -807,9 +807,8 @@ class PodAttentionSm90:
         tOcO_mn = rows_cols_view(tOcO)
         sink = cute.make_rmem_tensor(cute.size(tOcO_mn, mode=[0]), Float32)
         for r in cutlass.range_constexpr(cute.size(tOcO_mn, mode=[0])):
-            _, h = layouts.packed_coord(item.row_start + row_offset + tOcO_mn[r, 0][0],
-                                        self.group)
-            sink[r] = mSinks[item.kv_head * self.group + h]
+            sink[r] = mSinks[layouts.packed_head(item.row_start + row_offset + tOcO_mn[r, 0][0],
+                                                 item.kv_head, self.group)]
             if item.split_slot >= 0:
                 sink[r] = -Float32.inf
         return sink

@@ -130,14 +130,3 @@ def rescale_rows(acc: cute.Tensor, row_scale: cute.Tensor):
     for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
         for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
             acc_mn[r, c] = acc_mn[r, c] * row_scale[r]
-
-
-@cute.jit
-def combine_rows(acc: cute.Tensor, scale: cute.Tensor, other: cute.Tensor,
-                 other_scale: cute.Tensor):
-    """acc = acc * scale[row] + other * other_scale[row] (same fragment layout)."""
-    acc_mn = rows_cols_view(acc)
-    other_mn = rows_cols_view(other)
-    for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
-        for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
-            acc_mn[r, c] = acc_mn[r, c] * scale[r] + other_mn[r, c] * other_scale[r]

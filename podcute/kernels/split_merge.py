@@ -33,7 +33,7 @@ def merge_group(
     num_threads: cutlass.Constexpr[int],
     head_dim: cutlass.Constexpr[int],
     mSinks: Optional[cute.Tensor] = None,  # [Hq] fp32 sink logits, or None
-    head0: Int32 = 0,  # query head of packed row 0's group (kv_head * group)
+    kv_head: Int32 = 0,  # the rows' KV head (a row's sink is its query head's)
     group: cutlass.Constexpr[int] = 1,
 ):
     """Merge the partials of packed rows [row_start, row_start + n_rows) into out (+ lse).
@@ -51,8 +51,7 @@ def merge_group(
             lse_max = -Float32.inf
             sink = -Float32.inf
             if const_expr(mSinks is not None):
-                _, h = layouts.packed_coord(row_start + row, group)
-                sink = mSinks[head0 + h]
+                sink = mSinks[layouts.packed_head(row_start + row, kv_head, group)]
                 lse_max = sink
             for s in cutlass.range(num_splits, unroll=1):
                 split_lse = layouts.partial_lse(mPartialLSE, first_slot + s)[row]
@@ -132,7 +131,7 @@ def finish_split(
             gLSE = layouts.packed_lse(mLSE, q_start, q_len, kv_head, group)
         merge_group(gO, gLSE, mPartialO, mPartialLSE, row_start,
                     mMerge[m, MergeCol.ROW_END] - row_start, mMerge[m, MergeCol.FIRST_SLOT],
-                    num_splits, tidx, num_threads, head_dim, mSinks, kv_head * group, group)
+                    num_splits, tidx, num_threads, head_dim, mSinks, kv_head, group)
         if tidx == 0:
             mMergeSem[m] = Int32(0)
     # sFlag is rewritten by the next split this warpgroup finishes.

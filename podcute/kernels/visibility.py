@@ -32,6 +32,14 @@ def visible_start_host(kv_len, q_len, row_start, group: int, left: int):
     return np.clip(kv_len - q_len + row_start // group - left, 0, kv_len)
 
 
+def load_start_host(kv_len, q_len, row_start, group: int, left: int, kv_end, tile_n: int):
+    """Where the KV range of rows from ``row_start`` (ending at ``kv_end``) starts: the
+    tile holding the first key any of them sees, never past the tile of kv_end (an empty
+    range stays empty). numpy arrays."""
+    first = visible_start_host(kv_len, q_len, row_start, group, left)
+    return np.minimum(first // tile_n, kv_end // tile_n) * tile_n
+
+
 def tile_bounds_host(kv_start, kv_end, kv_len, q_len, row_start, group: int, causal: bool,
                      tile_n: int, right=0):
     """(n_min, n_max, mask_from) of rows from ``row_start`` over keys [kv_start, kv_end):
@@ -42,7 +50,8 @@ def tile_bounds_host(kv_start, kv_end, kv_len, q_len, row_start, group: int, cau
     n_max = np.maximum((kv_end + tile_n - 1) // tile_n, n_min)
     visible = kv_end
     if causal:
-        visible = np.minimum(visible, np.maximum(0, kv_len - q_len + row_start // group + 1 + right))
+        visible = np.minimum(visible,
+                             np.maximum(0, kv_len - q_len + row_start // group + 1 + right))
     return n_min, n_max, visible // tile_n
 
 
