@@ -3,6 +3,8 @@
 #
 #   bash perf/gpu_check.sh STEP...      STEP: demo warm kernel features graph compat serving memcheck
 #                                             racecheck synccheck quick-bench bench host
+#                                             warm-fp8 fp8 fp8-bench fp8-memcheck
+#                                             fp8-racecheck fp8-synccheck
 #                                             ncu-W-PAGE
 #                                             (ncu of workload W at page PAGE, e.g. ncu-F1-16)
 #                                             ncu-base-W-PAGE (the same for the source tree
@@ -55,6 +57,18 @@ for s in "$@"; do
   case $s in
     demo) step demo 120 python -m podcute demo || break ;;
     warm) step warm 300 python -m perf.warm_cache -j "$(nproc)" ;;  # compile here instead
+    warm-fp8) step warm-fp8 300 python -m perf.warm_cache --only fp8 -j "$(nproc)" ;;
+    fp8) step fp8 420 env PODCUTE_GPU_REPORT="$OUT/fp8_report.json" \
+        python -m pytest -q -x -m gpu tests/test_fp8_gpu.py ;;
+    fp8-bench) step fp8-bench 500 python -m perf.bench_fp8 --out "$OUT/fp8" \
+        --dtypes bfloat16,float16 ;;
+    fp8-memcheck) step fp8-memcheck 300 compute-sanitizer --tool memcheck --error-exitcode 3 \
+        python tests/gpu_sanitize.py --fp8 ;;
+    fp8-racecheck) step fp8-racecheck 400 compute-sanitizer --tool racecheck --error-exitcode 3 \
+        --kernel-regex kns=kernel_cutlass \
+        python tests/gpu_sanitize.py --fp8 --small ;;
+    fp8-synccheck) step fp8-synccheck 300 compute-sanitizer --tool synccheck --error-exitcode 3 \
+        python tests/gpu_sanitize.py --fp8 --small ;;
     features) step features 500 env PODCUTE_GPU_REPORT="$OUT/features_report.json" \
         python -m pytest -q -x -m gpu tests/test_kernel_gpu.py -k "feature or invariant or nothing" ;;
     kernel) step kernel 420 env PODCUTE_GPU_REPORT="$OUT/kernel_report.json" \

@@ -44,20 +44,29 @@ VARIANTS = sorted({
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("-j", type=int, default=2, help="parallel compiler processes")
+    p.add_argument("--only", choices=("all", "fp8", "16bit"), default="all",
+                   help="fp8: only the fp8-cache test variants; 16bit: all but those")
     args = p.parse_args(argv)
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     from podcute.compile import VariantKey, compile_many
     from podcute.kernels.config import KernelConfig
 
-    from podcute.testing import feature_test_variants
+    from podcute.testing import feature_test_variants, fp8_test_variants
 
-    keys = list({VariantKey.make(KernelConfig.select(*v)): None for v in VARIANTS})
-    keys += [VariantKey.make(KernelConfig.select(**kw)) for kw in feature_test_variants()]
-    # tests/gpu_sanitize.py's feature cases
-    keys += [VariantKey.make(KernelConfig.select("bfloat16", 128, g, True, True, page, **f))
-             for g, page, f in ((4, 16, dict(window=True, softcap=True, has_sinks=True)),
-                                (4, 8, dict(window=True, has_sinks=True)),
-                                (8, 128, dict(window=True, softcap=True)))]
+    keys = []
+    if args.only != "fp8":
+        keys += [VariantKey.make(KernelConfig.select(*v)) for v in VARIANTS]
+        keys += [VariantKey.make(KernelConfig.select(**kw)) for kw in feature_test_variants()]
+        # tests/gpu_sanitize.py's feature cases
+        keys += [VariantKey.make(KernelConfig.select("bfloat16", 128, g, True, True, page, **f))
+                 for g, page, f in ((4, 16, dict(window=True, softcap=True, has_sinks=True)),
+                                    (4, 8, dict(window=True, has_sinks=True)),
+                                    (8, 128, dict(window=True, softcap=True)))]
+    if args.only != "16bit":  # tests/test_fp8_gpu.py, gpu_sanitize.py --fp8, perf.bench_fp8
+        keys += [VariantKey.make(KernelConfig.select(**kw)) for kw in fp8_test_variants()]
+        keys += [VariantKey.make(KernelConfig.select(
+            "bfloat16", 128, 4, True, False, page, kv_dtype=kv))
+            for page in (16, 128) for kv in ("", "float8_e4m3fn")]
     keys = list(dict.fromkeys(keys))
     print(f"{len(keys)} distinct variants", flush=True)
     for key, secs, _ in compile_many(keys, args.j):

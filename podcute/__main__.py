@@ -136,6 +136,10 @@ def main(argv=None) -> int:
                         help="compile: comma-separated head dims (default: all supported)")
     parser.add_argument("--groups", default=None,
                         help="compile: comma-separated GQA groups (default: 1,4,7,8)")
+    parser.add_argument("--kv-dtypes", default=None,
+                        help="compile: comma-separated KV cache types, 'none' (the cache in "
+                             "q's dtype) or float8_e4m3fn / float8_e5m2 (fp8 caches: head "
+                             "dims 64, 96, 128)")
     args, rest = parser.parse_known_args(argv)
     if args.command == "demo":
         device, found = _hopper_device()
@@ -144,7 +148,7 @@ def main(argv=None) -> int:
         from podcute.compile import compile_all, shipped_variants
 
         variants = None
-        if args.features or args.head_dims or args.groups:
+        if args.features or args.head_dims or args.groups or args.kv_dtypes:
             kw = {}
             try:
                 if args.features:
@@ -154,6 +158,9 @@ def main(argv=None) -> int:
                     kw["head_dims"] = tuple(int(x) for x in args.head_dims.split(","))
                 if args.groups:
                     kw["groups"] = tuple(int(x) for x in args.groups.split(","))
+                if args.kv_dtypes:
+                    kw["kv_dtypes"] = tuple("" if k == "none" else k
+                                            for k in args.kv_dtypes.split(","))
                 variants = shipped_variants(args.arch, **kw)
             except ValueError as err:
                 print(f"python -m podcute compile: {err}", file=sys.stderr)

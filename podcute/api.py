@@ -10,11 +10,12 @@ validated (lengths, page tables).
 
 from __future__ import annotations
 
+import math
 
 import torch
 
 from podcute.compile import unsupported_arch_message
-from podcute.kernels.config import SUPPORTED_HEAD_DIMS, SUPPORTED_PAGE_SIZES
+from podcute.kernels.config import FP8_HEAD_DIMS, SUPPORTED_HEAD_DIMS, SUPPORTED_PAGE_SIZES
 from podcute.launch import launch, require_sm90
 from podcute.plan import CapacityError, Plan, Planner, PlanSummary
 from podcute.reuse import CallPlanner
@@ -23,6 +24,8 @@ __all__ = ["PODAttention", "pod_attention", "PlanSummary", "CapacityError", "KV_
 
 KV_LAYOUTS = ("NHD", "HND")
 _DTYPES = (torch.bfloat16, torch.float16)
+# fp8 KV caches (queries and output stay 16-bit): torch dtype -> KernelConfig.kv_dtype.
+_FP8_DTYPES = {torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2"}
 
 
 # --------------------------------------------------------------------------------------
@@ -76,12 +79,14 @@ def _check_index(name, t, device, ndim, length=None, optional=False):
 
 def _check_aligned_rows(*named):
     """The kernel moves rows in 16-byte pieces (cp.async): every row must start 16-byte
-    aligned, i.e. an aligned data pointer and strides that are multiples of 8 elements."""
+    aligned, i.e. an aligned data pointer and strides that are multiples of 16 bytes (8
+    elements of a 16-bit tensor, 16 of an fp8 cache)."""
     for name, t in named:
-        if t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:-1]):
+        elems = 16 // t.element_size()
+        if t.data_ptr() % 16 or any(s % elems for s in t.stride()[:-1]):
             raise ValueError(f"{name} rows must be 16-byte aligned: data pointer % 16 == 0 and "
-                             f"strides (except the last) multiples of 8 elements; got strides "
-                             f"{tuple(t.stride())} and data pointer {t.data_ptr():#x}")
+                             f"strides (except the last) multiples of {elems} elements; got "
+                             f"strides {tuple(t.stride())} and data pointer {t.data_ptr():#x}")
 
 
 def _byte_range(ptr: int, shape, stride, elem_size: int) -> tuple[int, int]:
@@ -145,6 +150,46 @@ def _overlapped(out: torch.Tensor, named):
     return None
 
 
+def _scale_tensor(name: str, scale, num_kv_heads: int, device, cache: dict):
+    """An fp8 cache's dequantisation scale as the float32 [1] or [Hkv] device tensor the
+    kernel reads: a Python float (finite, > 0) becomes a cached one-element tensor; a
+    float32 tensor of shape [], [1] or [Hkv] on the attention's device is used as it is
+    (its values stay on the device: an engine may change them between graph replays,
+    and they are not checked here, which would cost a device sync)."""
+    if scale is None:
+        scale = 1.0
+    if isinstance(scale, torch.Tensor):
+        _check_dense(name, scale)
+        if scale.dtype != torch.float32:
+            raise TypeError(f"{name} must be float32, got {scale.dtype}")
+        if scale.dim() > 1 or scale.numel() not in (1, num_kv_heads):
+            raise ValueError(f"{name} must be a float or a float32 tensor of shape [], [1] or "
+                             f"[num_kv_heads] = [{num_kv_heads}], got shape {tuple(scale.shape)}")
+        if not _same_device(scale.device, device):
+            raise ValueError(f"{name} is on {scale.device}; it must be on {device} (or a float)")
+        flat = scale.reshape(-1)
+        if flat.numel() > 1 and flat.stride(0) != 1:
+            raise ValueError(f"{name} must be contiguous, got stride {flat.stride(0)}")
+        if flat.data_ptr() % 4:
+            raise ValueError(f"{name} must be 4-byte aligned, got data pointer "
+                             f"{flat.data_ptr():#x}")
+        return flat
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"{name} must be a float or a float32 tensor, got {type(scale).__name__}")
+    scale = float(scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"{name} must be finite and > 0, got {scale}")
+    hit = cache.get(scale)
+    if hit is None:
+        # (a fill kernel, not a host copy: it may run under CUDA-graph capture, where it is
+        # captured too; only tensors made outside a capture are kept for later calls)
+        hit = torch.full((1,), scale, dtype=torch.float32, device=device)
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if not capturing and len(cache) < 256:
+            cache[scale] = hit
+    return hit
+
+
 def _same_device(a: torch.device, b: torch.device) -> bool:
     if a == b:
         return True
@@ -176,7 +221,7 @@ class PODAttention:
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  dtype: torch.dtype = torch.bfloat16, kv_layout: str = "NHD",
                  device="cuda", max_batch_size: int = 256, max_num_tokens: int = 16384,
-                 max_num_pages: int | None = None):
+                 max_num_pages: int | None = None, kv_dtype: torch.dtype | None = None):
         _check_int("num_qo_heads", num_qo_heads)
         _check_int("num_kv_heads", num_kv_heads)
         if num_qo_heads % num_kv_heads:
@@ -190,6 +235,13 @@ class PODAttention:
             _check_int("max_num_pages", max_num_pages)
         if dtype not in _DTYPES:
             raise TypeError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
+        if kv_dtype is None:
+            kv_dtype = dtype
+        if kv_dtype != dtype and kv_dtype not in _FP8_DTYPES:
+            raise TypeError(f"kv_dtype must be None, dtype ({dtype}) or an fp8 type "
+                            f"(torch.float8_e4m3fn, torch.float8_e5m2), got {kv_dtype}")
+        if kv_dtype in _FP8_DTYPES and head_dim not in FP8_HEAD_DIMS:
+            raise ValueError(f"fp8 KV caches need head_dim in {FP8_HEAD_DIMS}, got {head_dim}")
         _check_layout(kv_layout)
         if not isinstance(device, (str, int, torch.device)):
             raise TypeError(f"device must be a str, int or torch.device, got "
@@ -210,10 +262,14 @@ class PODAttention:
         self.num_qo_heads, self.num_kv_heads = num_qo_heads, num_kv_heads
         self.head_dim, self.page_size = head_dim, page_size
         self.dtype, self.kv_layout, self.device = dtype, kv_layout, device
+        self.kv_dtype = kv_dtype
+        self.fp8 = kv_dtype in _FP8_DTYPES
+        self._scales: dict = {}  # float scale -> its device tensor (fp8 caches)
         self.planner = Planner(num_qo_heads, num_kv_heads, head_dim, page_size, device=device,
                                max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
                                max_num_pages=max_num_pages,
-                               dtype=str(dtype).replace("torch.", ""))
+                               dtype=str(dtype).replace("torch.", ""),
+                               kv_dtype=_FP8_DTYPES.get(kv_dtype, ""))
         self._plan: Plan | None = None
         self._page_arg = "block_table"
         self._cache_tail = ((page_size, num_kv_heads, head_dim) if kv_layout == "NHD"
@@ -315,20 +371,23 @@ class PODAttention:
         contiguous last dims, 16-byte aligned rows, pages inside the cache (the checks of
         _validate_run, in one pass: each tensor's shape, strides and address are read
         once; this runs once per layer)."""
-        dt, dev, strided = self.dtype, self.device, torch.strided
+        dt, kv_dt, dev, strided = self.dtype, self.kv_dtype, self.device, torch.strided
+        kv_mask, kv_size = (15, 1) if self.fp8 else (7, 2)
         try:
             spans = []
             for t in (q, k_cache, v_cache) if out is None else (q, k_cache, v_cache, out):
-                if (type(t) is not torch.Tensor or t.dtype is not dt or t.layout is not strided
-                        or t.device != dev):
+                cache = t is k_cache or t is v_cache
+                if (type(t) is not torch.Tensor or t.dtype is not (kv_dt if cache else dt)
+                        or t.layout is not strided or t.device != dev):
                     return False
                 st, shape, ptr = t.stride(), t.shape, t.data_ptr()
                 if st[-1] != 1 or ptr & 15:
                     return False
+                mask = kv_mask if cache else 7  # 16-byte rows
                 for r in st[:-1]:
-                    if r & 7:
+                    if r & mask:
                         return False
-                spans.append(_byte_range(ptr, shape, st, 2))  # (self.dtype is 16-bit)
+                spans.append(_byte_range(ptr, shape, st, kv_size if cache else 2))
             if out is not None:
                 # no zero strides (the row checks above cover overlapping rows only when the
                 # strides are dense) and no overlap with what the kernel reads
@@ -355,8 +414,10 @@ class PODAttention:
             _check_dense(name, t)
         if q.dtype != self.dtype:
             raise TypeError(f"q must be {self.dtype} (this PODAttention's dtype), got {q.dtype}")
-        if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-            raise TypeError(f"k_cache and v_cache must have q's dtype {q.dtype}, got "
+        if k_cache.dtype != self.kv_dtype or v_cache.dtype != self.kv_dtype:
+            what = ("this PODAttention's kv_dtype" if self.fp8 else
+                    "q's dtype (pass kv_dtype= to PODAttention for an fp8 cache)")
+            raise TypeError(f"k_cache and v_cache must be {self.kv_dtype} ({what}), got "
                             f"{k_cache.dtype} and {v_cache.dtype}")
         if not _same_device(q.device, self.device):
             raise ValueError(f"q is on {q.device} but this PODAttention plans for {self.device}")
@@ -405,7 +466,8 @@ class PODAttention:
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             out: torch.Tensor | None = None, return_lse: bool = False,
-            lse: torch.Tensor | None = None, sinks: torch.Tensor | None = None):
+            lse: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+            k_scale=None, v_scale=None):
         """Attention of the planned batch. q [T, Hq, D] with T >= cu_seqlens_q[-1] (rows
         past it are padding: never read, never written); caches [num_pages, page_size,
         Hkv, D] (NHD) or [num_pages, Hkv, page_size, D] (HND), any strides with a
@@ -415,6 +477,9 @@ class PODAttention:
         buffer, not overlapping the other tensors; giving it implies return_lse).
         `sinks`: float32 [Hq] per-head sink logits (gpt-oss), one extra key with no value
         in every row's softmax denominator; lse then includes it (docs/contract.md).
+        `k_scale`, `v_scale` (fp8 caches only): dequantisation scales, keys k_fp8 * k_scale
+        and values v_fp8 * v_scale; each a float (default 1.0) or a float32 device tensor
+        of shape [], [1] or [Hkv], read by the kernel (a captured graph sees new values).
         CUDA-graph capturable: the first captured call fixes the planner's buffers
         (README, CUDA graphs)."""
         plan = self._plan
@@ -429,6 +494,14 @@ class PODAttention:
             return_lse = True
         if sinks is not None:
             self._check_sinks(sinks, q)
+        if self.fp8:
+            k_scale = _scale_tensor("k_scale", k_scale, self.num_kv_heads, self.device,
+                                    self._scales)
+            v_scale = _scale_tensor("v_scale", v_scale, self.num_kv_heads, self.device,
+                                    self._scales)
+        elif k_scale is not None or v_scale is not None:
+            raise ValueError("k_scale and v_scale are for fp8 KV caches only (this "
+                             f"PODAttention's caches are {self.kv_dtype})")
         # Only now the device: never fall back to the reference silently.
         require_sm90(q.device)
         if not self.planner.frozen and torch.cuda.is_current_stream_capturing():
@@ -438,7 +511,8 @@ class PODAttention:
         if return_lse and lse is None:
             lse = torch.empty(q.shape[0], self.num_qo_heads, dtype=torch.float32,
                               device=q.device)
-        launch(plan, q, k_cache, v_cache, out, lse, kv_layout=self.kv_layout, sinks=sinks)
+        launch(plan, q, k_cache, v_cache, out, lse, kv_layout=self.kv_layout, sinks=sinks,
+               k_scale=k_scale, v_scale=v_scale)
         return (out, lse) if return_lse else out
 
     def _check_sinks(self, sinks, q) -> None:
@@ -492,14 +566,16 @@ _ONE_SHOT: dict = {}
 
 
 def one_shot_attention(num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
-                       dtype: torch.dtype, kv_layout: str, device) -> tuple:
+                       dtype: torch.dtype, kv_layout: str, device,
+                       kv_dtype: torch.dtype | None = None) -> tuple:
     """The (PODAttention, CallPlanner) the one-shot entry points use for a configuration:
     its plan is reused while a call's metadata stays the same (podcute.reuse)."""
-    key = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype, kv_layout, device)
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
+    key = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype, kv_layout, device, kv_dtype)
     hit = _ONE_SHOT.get(key)
     if hit is None:
         att = PODAttention(num_qo_heads, num_kv_heads, head_dim, page_size, dtype=dtype,
-                           kv_layout=kv_layout, device=device)
+                           kv_layout=kv_layout, device=device, kv_dtype=kv_dtype)
         hit = _ONE_SHOT[key] = (att, CallPlanner(att))
     return hit
 
@@ -542,14 +618,20 @@ def one_shot_for(q, k_cache, v_cache, kv_layout: str, *, where: str = "",
     if ps not in SUPPORTED_PAGE_SIZES:
         raise ValueError(f"{where}page_size ({k_name}.shape[{page_dim}]) must be one of "
                          f"{SUPPORTED_PAGE_SIZES}, got {ps}")
-    return one_shot_attention(Hq, Hkv, D, ps, q.dtype, kv_layout, q.device)
+    # An fp8 cache selects fp8 variants; any other cache dtype is run()'s to refuse.
+    kv_dtype = k_cache.dtype if k_cache.dtype in _FP8_DTYPES else None
+    if kv_dtype is not None and D not in FP8_HEAD_DIMS:
+        raise ValueError(f"{where}fp8 KV caches need head_dim in {FP8_HEAD_DIMS}, got {D}")
+    return one_shot_attention(Hq, Hkv, D, ps, q.dtype, kv_layout, q.device, kv_dtype)
 
 
 def pod_attention(q, k_cache, v_cache, *, cu_seqlens_q, seqused_k, block_table, causal=True,
                   sm_scale=None, kv_layout="NHD", return_lse=False, out=None,
-                  window_size=(-1, -1), softcap=0.0, sinks=None, batch_invariant=False):
+                  window_size=(-1, -1), softcap=0.0, sinks=None, batch_invariant=False,
+                  k_scale=None, v_scale=None):
     """One call: plan + run (FlashAttention-style arguments; `window_size`, `softcap`,
-    `sinks`, `batch_invariant` as PODAttention.plan/run). The plan is reused by the
+    `sinks`, `batch_invariant`, and for fp8 caches `k_scale`/`v_scale`, as
+    PODAttention.plan/run). The plan is reused by the
     next calls while their index tensors are the same and unchanged (``podcute.reuse``:
     per layer of a step only the first call plans); pass the index tensors on the CPU to
     keep that plan() free of GPU syncs."""
@@ -562,4 +644,5 @@ def pod_attention(q, k_cache, v_cache, *, cu_seqlens_q, seqused_k, block_table, 
                                   causal=causal, sm_scale=sm_scale, window_size=window,
                                   softcap=softcap, batch_invariant=batch_invariant,
                                   _kv_name="seqused_k"))
-    return att.run(q, k_cache, v_cache, out=out, return_lse=return_lse, sinks=sinks)
+    return att.run(q, k_cache, v_cache, out=out, return_lse=return_lse, sinks=sinks,
+                   k_scale=k_scale, v_scale=v_scale)

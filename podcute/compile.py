@@ -19,7 +19,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from podcute.kernels.config import SUPPORTED_ARCHS, KernelConfig, feature_flags
+from podcute.kernels.config import FP8_HEAD_DIMS, SUPPORTED_ARCHS, KernelConfig, feature_flags
 from podcute.kernels.metadata import MERGE_COLS, NUM_PARAMS, WORK_COLS
 
 
@@ -82,7 +82,8 @@ def unsupported_arch_message(found: str) -> str:
 def _cutlass_dtype(name: str):
     import cutlass
 
-    return {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[name]
+    return {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16,
+            "float8_e4m3fn": cutlass.Float8E4M3FN, "float8_e5m2": cutlass.Float8E5M2}[name]
 
 
 def _fake_args(key: VariantKey):
@@ -93,6 +94,7 @@ def _fake_args(key: VariantKey):
 
     cfg = key.config
     dtype = _cutlass_dtype(cfg.dtype)
+    kv_dtype = _cutlass_dtype(cfg.kv_dtype) if cfg.fp8 else dtype
     d = cfg.head_dim
 
     def sym(div=1):
@@ -102,9 +104,11 @@ def _fake_args(key: VariantKey):
     def rows3():
         return make_fake_tensor(dtype, (sym(), sym(), d), (sym(8), sym(8), 1), assumed_align=16)
 
-    def cache():
+    def cache():  # (16-byte rows: strides divisible by 16 / element size)
+        div = 16 // (kv_dtype.width // 8)
         return make_fake_tensor(
-            dtype, (sym(), sym(), sym(), d), (sym(8), sym(8), sym(8), 1), assumed_align=16
+            kv_dtype, (sym(), sym(), sym(), d), (sym(div), sym(div), sym(div), 1),
+            assumed_align=16
         )
 
     def ivec():
@@ -124,9 +128,15 @@ def _fake_args(key: VariantKey):
     iparams = make_fake_tensor(cutlass.Int32, (NUM_PARAMS,), (1,), assumed_align=16)
     sinks = (make_fake_tensor(cutlass.Float32, (sym(),), (1,), assumed_align=4)
              if cfg.has_sinks else None)
+    # fp8 dequantisation scales: [Hkv] or [1] float32 each (launch makes floats tensors).
+    scales = ((make_fake_tensor(cutlass.Float32, (sym(),), (1,), assumed_align=4),
+               make_fake_tensor(cutlass.Float32, (sym(),), (1,), assumed_align=4))
+              if cfg.fp8 else (None, None))
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-    # Order: PodAttentionSm90.__call__ (q, k, v, out, lse, sinks, then Planner.kernel_args).
-    return (rows3(), cache(), cache(), rows3(), lse, sinks, work, ivec(), ivec(), ivec(), ivec(),
+    # Order: PodAttentionSm90.__call__ (q, k, v, out, lse, sinks, k_scale, v_scale, then
+    # Planner.kernel_args).
+    return (rows3(), cache(), cache(), rows3(), lse, sinks, *scales, work, ivec(), ivec(),
+            ivec(), ivec(),
             ivec(), partial_o, partial_lse, merge, ivec(), ivec(), params, iparams,
             cutlass.Int32(4), cutlass.Int32(1), stream)
 
@@ -187,7 +197,7 @@ def _export_entry(path: Path, pod) -> None:
 
 
 def shipped_variants(arch: str = "sm_90a", head_dims=(64, 96, 128, 256), groups=(1, 4, 7, 8),
-                     features=("",)):
+                     features=("",), kv_dtypes=("",)):
     """The variants `python -m podcute compile` builds ahead of time (and CI compiles).
 
     GQA groups 1 (MHA), 4, 7 and 8 cover the common models; any other group (MQA of 32
@@ -195,15 +205,19 @@ def shipped_variants(arch: str = "sm_90a", head_dims=(64, 96, 128, 256), groups=
     model feature (window, softcap, sinks) unless `features` asks for it
     (`python -m podcute compile --features window+sinks,softcap`). Page sizes 128, 16 and
     1 stand for the three page classes (whole-tile TMA boxes, 16-slot TMA boxes, cp.async
-    gather).
+    gather). fp8 KV caches (`kv_dtypes`, e.g. ("float8_e4m3fn",)) compile on first use
+    too unless asked for; they have no head_dim 256 variant, which such a list skips.
     """
     return [
         VariantKey.make(KernelConfig.select(dtype, head_dim, group, causal, has_lse,
-                                            page_size, arch=arch, **feature_flags(spec)))
+                                            page_size, arch=arch, kv_dtype=kv,
+                                            **feature_flags(spec)))
+        for kv in kv_dtypes
         for spec in features
         for page_size in (128, 16, 1)
         for dtype in ("bfloat16", "float16")
         for head_dim in head_dims
+        if not kv or head_dim in FP8_HEAD_DIMS
         for group in groups
         for causal in (True, False)
         for has_lse in (True, False)
@@ -325,6 +339,7 @@ def compile_all(arch: str, check: bool = False, out=None, jobs: int | None = Non
         c = key.config
         print(f"[{bar:<30}] {i}/{len(variants)} {c.dtype} d{c.head_dim} g{c.group} "
               f"causal={c.causal} lse={c.has_lse} kv_box={c.kv_box}"
+              f"{' kv=' + c.kv_dtype if c.fp8 else ''}"
               f"{' ' + c.features if c.features else ''} {secs:.1f}s{note}", file=out,
               flush=True)
     print(f"compiled {len(variants)} variants for {arch} in {time.perf_counter() - start:.1f}s"

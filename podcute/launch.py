@@ -48,11 +48,12 @@ def _kernel(device, dtype, plan_config, options, has_lse: bool, has_sinks: bool)
     return hit[1]
 
 
-def launch(plan, q, k_cache, v_cache, out, lse, kv_layout: str = "NHD", sinks=None):
+def launch(plan, q, k_cache, v_cache, out, lse, kv_layout: str = "NHD", sinks=None,
+           k_scale=None, v_scale=None):
     """Run the fused POD kernel for `plan` (one launch; split-KV groups merge in-kernel).
 
     `out` is [T, Hq, D] (q's dtype), `lse` is [T, Hq] float32 or None, `sinks` [Hq]
-    float32 or None. Every metadata argument is a whole planner buffer
+    float32 or None, `k_scale`/`v_scale` (fp8 caches) float32 [1] or [Hkv]. Every metadata argument is a whole planner buffer
     (`plan.kernel_args`), the same for every plan, so a captured launch replays with
     whatever plan() wrote last.
     Raises RuntimeError naming what is needed when no sm_90 GPU is available.
@@ -63,4 +64,4 @@ def launch(plan, q, k_cache, v_cache, out, lse, kv_layout: str = "NHD", sinks=No
         # The kernel addresses (page, slot, head, dim); HND is that view with two strides
         # swapped (layouts.canonical_kv in torch terms), so both layouts share one variant.
         k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
-    pod(q, k_cache, v_cache, out, lse, sinks, *plan.kernel_args)
+    pod(q, k_cache, v_cache, out, lse, sinks, k_scale, v_scale, *plan.kernel_args)

@@ -542,7 +542,8 @@ class Planner:
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  device="cuda", max_batch_size: int = 256, max_num_tokens: int = 16384,
                  max_num_pages: int | None = None, num_sms: int | None = None,
-                 cost_model: CostModel = DEFAULT_COST_MODEL, dtype: str = "bfloat16"):
+                 cost_model: CostModel = DEFAULT_COST_MODEL, dtype: str = "bfloat16",
+                 kv_dtype: str = ""):
         if max_num_pages is None:
             max_num_pages = 1 << 20
         for name, v in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
@@ -556,7 +557,8 @@ class Planner:
         if page_size not in SUPPORTED_PAGE_SIZES:
             raise ValueError(f"page_size must be one of {SUPPORTED_PAGE_SIZES}, got {page_size}")
         G = num_qo_heads // num_kv_heads
-        kernel = KernelConfig.select(dtype, head_dim, G, page_size=page_size)  # names head_dim
+        kernel = KernelConfig.select(dtype, head_dim, G, page_size=page_size,  # names head_dim
+                                     kv_dtype=kv_dtype)
         self.device = torch.device(device)
         if num_sms is None:
             num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
@@ -577,7 +579,8 @@ class Planner:
         # decode per KV token (K + V) and per packed row (Q + O), per-piece overheads.
         c, D, tn = cost_model, head_dim, kernel.tile_n
         us_tile = 4.0 * D * kernel.tile_m_prefill * tn / c.mma_flops_per_us()
-        us_tok = 2.0 * D * c.elem_bytes / c.hbm_bytes_per_us()
+        kv_bytes = 1 if kernel.fp8 else c.elem_bytes  # an fp8 cache streams half the bytes
+        us_tok = 2.0 * D * kv_bytes / c.hbm_bytes_per_us()
         us_row = 2.0 * D * c.elem_bytes / c.hbm_bytes_per_us()
         self._us = (us_tile / tn, us_tok, us_row, c.prefill_item_overhead_us,
                     c.decode_item_overhead_us)

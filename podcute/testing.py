@@ -236,6 +236,21 @@ def random_lengths(
     return [r[0] for r in reqs], [r[1] for r in reqs]
 
 
+def mixed_lengths(rng: random.Random, n: int, causal: bool, max_kv_len: int, decode_weight=2):
+    """(q_lens, kv_lens) of n random requests for the GPU sweeps: KV lengths short, medium
+    or up to max_kv_len; q_len 0, 1 (`decode_weight` shares), up to 8 or up to 1200,
+    capped by kv_len under causal; at least one query in all."""
+    q_lens, kv_lens = [], []
+    for _ in range(n):
+        kv = rng.choice([rng.randint(1, 300), rng.randint(1, 5000), rng.randint(1, max_kv_len)])
+        q = rng.choice([0] + [1] * decode_weight + [rng.randint(1, 8), rng.randint(1, 1200)])
+        q_lens.append(min(kv, q) if causal else q)
+        kv_lens.append(kv)
+    if sum(q_lens) == 0:
+        q_lens[0] = 1
+    return q_lens, kv_lens
+
+
 # ---- the model-feature GPU cases (tests/test_kernel_gpu.py; perf.warm_cache compiles
 # their variants ahead of a device run) ---------------------------------------------------
 
@@ -321,3 +336,58 @@ def feature_test_variants():
                         cases.append(dict(preset, causal=causal, hq=hq, hkv=hkv, d=d,
                                           page=page))
     return [variant(c) for c in cases]
+
+
+# ---- the fp8 KV cache GPU cases (tests/test_fp8_gpu.py; perf.warm_cache compiles them) ----
+
+# check_fp8()'s defaults: an e4m3 cache with per-KV-head float32 scales, 8/2 heads, D 128,
+# page 16, bf16 queries, causal.
+FP8_DEFAULTS = dict(hq=8, hkv=2, d=128, page=16, dtype=torch.bfloat16, causal=True,
+                    kv="e4m3", scale="per_head", window_size=(-1, -1), softcap=0.0,
+                    sinks=False)
+FP8_KV = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+FP8_CASES = [
+    dict(), dict(dtype=torch.float16), dict(scale="float"), dict(scale="tensor"),
+    # every page class, layout and page format
+    dict(page=1), dict(page=8, hq=16, hkv=2), dict(page=64, layout="HND", fmt="csr"),
+    dict(page=128), dict(page=256, hq=8, hkv=1, dtype=torch.float16),
+    dict(page=32, interleaved=True, causal=False), dict(page=2, layout="HND", scale="float"),
+    # head dims 64 and 96, GQA groups, e5m2
+    dict(d=64), dict(d=64, page=1, dtype=torch.float16), dict(d=96, page=128),
+    dict(d=96, page=1), dict(d=96, page=16, hq=28, hkv=4), dict(hq=32, hkv=4, page=128),
+    dict(hq=32, hkv=1), dict(kv="e5m2"), dict(kv="e5m2", dtype=torch.float16, page=1),
+    dict(kv="e5m2", d=64, page=128, scale="float"),
+    # model features on an fp8 cache
+    dict(window_size=(128, 0), softcap=30.0, sinks=True),
+    dict(causal=False, window_size=(100, 50), page=128, sinks=True),
+    dict(softcap=20.0, page=1, d=96),
+]
+# Long decodes and a long prefill: split KV and its in-kernel merge (scales per item).
+FP8_SPLIT_CASES = [dict(), dict(page=128, scale="float"), dict(page=1, dtype=torch.float16),
+                   dict(d=96, kv="e5m2", sinks=True), dict(d=64, page=64, scale="tensor")]
+FP8_RANDOM_SHAPES = dict(heads=[(8, 2), (32, 4)], head_dims=[64, 96, 128],
+                         pages=[1, 16, 128])
+
+
+def fp8_test_variants():
+    """KernelConfig.select keyword arguments of every variant the fp8 GPU tests run."""
+    from podcute.plan import PlanOptions
+
+    def variant(c, kv):
+        c = dict(FP8_DEFAULTS, **c)
+        flags = PlanOptions.make(c["causal"], c["window_size"], c["softcap"]).kernel_flags()
+        return dict(dtype=str(c["dtype"]).replace("torch.", ""), head_dim=c["d"],
+                    group=c["hq"] // c["hkv"], has_lse=True, page_size=c["page"],
+                    has_sinks=bool(c["sinks"]), kv_dtype=str(FP8_KV[kv]).replace("torch.", ""),
+                    **flags)
+
+    out = [variant(c, c.get("kv", "e4m3")) for c in FP8_CASES + FP8_SPLIT_CASES]
+    for hq, hkv in FP8_RANDOM_SHAPES["heads"]:
+        for d in FP8_RANDOM_SHAPES["head_dims"]:
+            for page in FP8_RANDOM_SHAPES["pages"]:
+                for dtype in (torch.bfloat16, torch.float16):
+                    for causal in (True, False):
+                        out.append(variant(dict(hq=hq, hkv=hkv, d=d, page=page, dtype=dtype,
+                                                causal=causal), "e4m3"))
+    return out

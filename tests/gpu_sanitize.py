@@ -7,7 +7,9 @@ page 16, whole-tile TMA boxes with a zeroed V tail at page 128), D 64 and 128, s
 with the in-kernel merge, decode items (both MMA warpgroups, combined in shared memory),
 prefill items (ping-pong), causal and not, and a CUDA graph captured without splits
 replayed after a plan with splits. Exits non-zero if an output is wrong; the sanitizer
-reports the rest. `--small` shrinks the batches (racecheck is slow).
+reports the rest. `--small` shrinks the batches (racecheck is slow). `--fp8` runs only
+the fp8-cache batches (e4m3 and e5m2, per-head and scalar scales, each page class: the
+converting producer warps and their two-level pipeline).
 """
 
 import sys
@@ -15,7 +17,8 @@ import sys
 import torch
 
 from podcute import PODAttention
-from podcute.testing import make_batch
+from podcute.reference import pod_attention_reference
+from podcute.testing import make_batch, quantize_kv_cache
 
 
 def check(attn, b, causal, name, **features):
@@ -116,5 +119,44 @@ def main(small: bool) -> int:
     return 0 if ok else 1
 
 
+def main_fp8(small: bool) -> int:
+    s = 4 if small else 1
+    mixed = ([300 // s, 1, 1, 5, 0, 1, 8], [700, 64, 1, 900, 17, 8000 // s, 8])
+    cases = [  # (name, Hq, Hkv, D, page, fmt, causal, kv dtype, per-head scales, lens)
+        ("fp8 e4m3 p16 mixed+splits", 8, 2, 128, 16, "table", True, torch.float8_e4m3fn,
+         True, mixed),
+        ("fp8 e4m3 p128 non-causal tail", 16, 2, 128, 128, "table", False,
+         torch.float8_e4m3fn, False, ([1, 130, 3], [4000 // s, 300, 77])),
+        ("fp8 e4m3 p8 gather mixed+splits", 8, 2, 128, 8, "csr", True, torch.float8_e4m3fn,
+         True, mixed),
+        ("fp8 e5m2 p1 D96", 8, 8, 96, 1, "csr", True, torch.float8_e5m2, True,
+         ([1, 2, 200 // s], [3000 // s, 40, 500])),
+        ("fp8 e4m3 p64 D64 decode-only", 32, 4, 64, 64, "table", True, torch.float8_e4m3fn,
+         False, ([1] * 6, [9000 // s] * 6)),
+    ]
+    ok = True
+    for name, hq, hkv, d, page, fmt, causal, kv, per_head, (ql, kl) in cases:
+        attn = PODAttention(hq, hkv, d, page, device="cuda", kv_dtype=kv)
+        b = make_batch(ql, kl, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page,
+                       device="cuda", page_format=fmt, seed=7)
+        k8, ks = quantize_kv_cache(b.k_cache, dtype=kv, per_head=per_head)
+        v8, vs = quantize_kv_cache(b.v_cache, dtype=kv, per_head=per_head)
+        pages = (dict(block_table=b.block_table) if fmt == "table"
+                 else dict(kv_indptr=b.kv_indptr, kv_indices=b.kv_indices))
+        attn.plan(b.cu_seqlens_q, b.seqused_k, causal=causal, **pages)
+        out = torch.full_like(b.q, float("nan"))
+        attn.run(b.q, k8, v8, out=out, k_scale=ks, v_scale=vs)
+        ref = pod_attention_reference(b.q, k8, v8, causal=causal, k_scale=ks, v_scale=vs,
+                                      **b.kwargs())
+        torch.cuda.synchronize()
+        rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+        good = rel < 5e-3 and not out.isnan().any()
+        print(f"{name}: rel L2 {rel:.2e} {'ok' if good else 'FAIL'}", flush=True)
+        ok &= good
+    return 0 if ok else 1
+
+
 if __name__ == "__main__":
+    if "--fp8" in sys.argv:
+        sys.exit(main_fp8("--small" in sys.argv))
     sys.exit(main("--small" in sys.argv))

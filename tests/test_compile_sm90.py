@@ -44,14 +44,19 @@ FEATURE_ARGS = ["--features", "window+softcap+sinks", "--head-dims", "64,96,128,
                 "--groups", "4"]
 
 
+def _compile_log(*args):
+    """`python -m podcute compile --check` of a variant selection, with ptxas remarks."""
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_COMPILER_OPT="remarks{ptx}")
+    return subprocess.run(
+        [sys.executable, "-m", "podcute", "compile", "--arch", "sm_90a", "--check", *args],
+        capture_output=True, text=True, env=env, timeout=1800)
+
+
 @pytest.fixture(scope="module")
 def feature_log():
     """Variants with every model feature on (they compile on first use; this checks the
     heaviest of them for each head dim and page class)."""
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_COMPILER_OPT="remarks{ptx}")
-    return subprocess.run(
-        [sys.executable, "-m", "podcute", "compile", "--arch", "sm_90a", "--check",
-         *FEATURE_ARGS], capture_output=True, text=True, env=env, timeout=1800)
+    return _compile_log(*FEATURE_ARGS)
 
 
 def test_feature_variants_compile_without_spills(feature_log):
@@ -60,15 +65,45 @@ def test_feature_variants_compile_without_spills(feature_log):
     want = shipped_variants(head_dims=(64, 96, 128, 256), groups=(4,),
                             features=("window+softcap+sinks",))
     assert len(lines) == len(want) and all("window+softcap+sinks" in l for l in lines)
-    text = feature_log.stdout + feature_log.stderr
+    _assert_no_spills(feature_log, len(want))
+
+
+def _assert_no_spills(log, variants: int):
+    """Every variant's kernel reported its resources, none with a spill."""
+    text = log.stdout + log.stderr
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", text)]
-    assert len(spills) >= len(want) and max(spills) == 0
+    assert len(spills) >= variants and max(spills) == 0, [
+        l for l in text.splitlines() if "spill stores" in l and " 0 bytes" not in l]
+
+
+FP8_ARGS = ["--kv-dtypes", "float8_e4m3fn,float8_e5m2", "--features", "window+softcap+sinks",
+            "--head-dims", "64,96,128", "--groups", "4"]
+
+
+@pytest.fixture(scope="module")
+def fp8_log():
+    """fp8-cache variants (they compile on first use): both fp8 types with every model
+    feature (the most registers), each head dim and page class (the converting producer warps' loads and
+    the MMA warpgroups' 216 registers must not spill)."""
+    return _compile_log(*FP8_ARGS)
+
+
+def test_fp8_variants_compile_without_spills(fp8_log):
+    assert fp8_log.returncode == 0, fp8_log.stdout[-3000:] + fp8_log.stderr[-3000:]
+    lines = [l for l in fp8_log.stdout.splitlines() if l.startswith("[")]
+    want = shipped_variants(head_dims=(64, 96, 128), groups=(4,),
+                            features=("window+softcap+sinks",),
+                            kv_dtypes=("float8_e4m3fn", "float8_e5m2"))
+    assert len(lines) == len(want) and all(" kv=float8_" in l for l in lines)
+    for line in lines:
+        assert re.search(r"wgmma=[1-9]", line) and re.search(r"setmaxnreg=[1-9]", line), line
+    _assert_no_spills(fp8_log, len(want))
 
 
 def test_every_selected_configuration_is_buildable():
     """Every head dim x page class x group the API accepts has a configuration (even
     K/V stage counts, shared memory and registers within the SM's)."""
-    from podcute.kernels.config import SUPPORTED_HEAD_DIMS, SUPPORTED_PAGE_SIZES
+    from podcute.kernels.config import FP8_HEAD_DIMS, SUPPORTED_HEAD_DIMS, SUPPORTED_PAGE_SIZES
 
     for d in SUPPORTED_HEAD_DIMS:
         for page in SUPPORTED_PAGE_SIZES:
@@ -77,6 +112,10 @@ def test_every_selected_configuration_is_buildable():
                                           softcap=True, has_sinks=True)
                 assert cfg.can_implement() == (True, "")
                 assert cfg.num_stages % cfg.num_mma_warpgroups == 0
+                if d in FP8_HEAD_DIMS:
+                    for kv in ("float8_e4m3fn", "float8_e5m2"):
+                        c8 = KernelConfig.select("float16", d, g, page_size=page, kv_dtype=kv)
+                        assert c8.can_implement() == (True, "") and c8.fp8_stages >= 4
 
 
 def test_unsupported_arch_is_refused():

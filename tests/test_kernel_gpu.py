@@ -17,7 +17,8 @@ import torch
 from podcute import PODAttention
 from podcute.reference import pod_attention_reference
 from podcute.testing import (CHECK_DEFAULTS, EXTRA_FEATURE_CASES, FEATURE_CASES, NUM_SPLIT_CASES,
-                             RANDOM_FEATURE_PRESETS, RANDOM_FEATURE_SHAPES, make_batch)
+                             RANDOM_FEATURE_PRESETS, RANDOM_FEATURE_SHAPES, make_batch,
+                             mixed_lengths)
 
 pytestmark = pytest.mark.gpu
 
@@ -198,14 +199,7 @@ def test_random_features(seed):
     rng = random.Random(1000 + seed)
     n = rng.randint(1, 16)
     causal = rng.random() < 0.75
-    q_lens, kv_lens = [], []
-    for _ in range(n):
-        kv = rng.choice([rng.randint(1, 300), rng.randint(1, 5000), rng.randint(1, 20000)])
-        q = rng.choice([0, 1, 1, rng.randint(1, 8), rng.randint(1, 1200)])
-        q_lens.append(min(kv, q) if causal else q)
-        kv_lens.append(kv)
-    if sum(q_lens) == 0:
-        q_lens[0] = 1
+    q_lens, kv_lens = mixed_lengths(rng, n, causal, 20000)
     preset = dict(rng.choice(RANDOM_FEATURE_PRESETS[causal]))
     if "window_size" in preset:  # a random window of the preset's shape
         left, right = preset["window_size"]

@@ -14,6 +14,11 @@ SUPPORTED_HEAD_DIMS = (64, 96, 128, 256)
 SUPPORTED_PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # powers of two: the kernel takes log2
 SUPPORTED_ARCHS = ("sm_90a",)
 SUPPORTED_DTYPES = ("bfloat16", "float16")
+# KV cache element types besides q's own: fp8 caches are dequantised in shared memory to
+# q's dtype (kv_dtype "" means the cache is in q's dtype). D 256 has no fp8 variant: its
+# 16-bit stages alone take the shared memory the fp8 staging would need.
+FP8_KV_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+FP8_HEAD_DIMS = (64, 96, 128)
 
 # Model features a variant may carry, as named in a feature spec ("window+sinks"): the
 # KernelConfig flag of each.
@@ -80,12 +85,35 @@ class KernelConfig:
     # `o_staging` the epilogue stores O fragments directly.
     combine_rounds: int = 1
     o_staging: bool = True
+    # fp8 KV cache ("" = the cache is in q's dtype): TMA (or the gather) brings fp8 tiles
+    # into `fp8_stages` staging stages; the producer warps that issue no copies convert
+    # each into the 16-bit stage the MMA warpgroups read (kernels/dequant.py).
+    kv_dtype: str = ""
+    fp8_stages: int = 0
 
     # ---- derived ----------------------------------------------------------------------
 
     @property
     def elem_bytes(self) -> int:
         return 2
+
+    @property
+    def fp8(self) -> bool:
+        return bool(self.kv_dtype)
+
+    @property
+    def num_converters(self) -> int:
+        """Producer threads that dequantise fp8 tiles: warps 1-3 next to the TMA warp, or
+        warps 2-3 next to a 2-warp cp.async gather; 0 without fp8."""
+        if not self.fp8:
+            return 0
+        return 3 * 32 if self.tma_kv else 2 * 32
+
+    @property
+    def num_loaders(self) -> int:
+        """Producer threads of a cp.async K/V gather (the whole warpgroup, or warps 0-1
+        next to the converters of an fp8 cache)."""
+        return WARPGROUP_THREADS - self.num_converters if not self.tma_kv else 0
 
     @property
     def num_mma_threads(self) -> int:
@@ -132,7 +160,8 @@ class KernelConfig:
         kv = 2 * self.num_stages * self.tile_n * d * e
         scratch = max(4 * self.combine_floats, self.staging_bytes())
         pages = 2 * self.tile_n * 4
-        return q + kv + scratch + self.staging_bytes() + pages + 6 * 1024
+        fp8 = 2 * self.fp8_stages * self.tile_n * d
+        return q + kv + fp8 + scratch + self.staging_bytes() + pages + 6 * 1024
 
     def can_implement(self) -> tuple[bool, str]:
         """(True, "") if this configuration is buildable, else (False, why)."""
@@ -142,6 +171,12 @@ class KernelConfig:
             return False, f"dtype {self.dtype} (supported: {SUPPORTED_DTYPES})"
         if self.head_dim not in SUPPORTED_HEAD_DIMS:
             return False, f"head_dim {self.head_dim} (supported: {SUPPORTED_HEAD_DIMS})"
+        if self.kv_dtype and self.kv_dtype not in FP8_KV_DTYPES:
+            return False, f"kv_dtype {self.kv_dtype} (supported: '' or {FP8_KV_DTYPES})"
+        if self.fp8 and self.head_dim not in FP8_HEAD_DIMS:
+            return False, f"fp8 KV caches at head_dim {self.head_dim} (supported: {FP8_HEAD_DIMS})"
+        if self.fp8 != (self.fp8_stages >= 2):
+            return False, "an fp8 cache needs >= 2 fp8 staging stages, a 16-bit cache none"
         if self.group < 1:
             return False, f"group {self.group} must be >= 1"
         if self.tile_m_prefill != 64 * self.num_mma_warpgroups or self.tile_m_decode != 64:
@@ -173,6 +208,14 @@ class KernelConfig:
         regs = WARPGROUP_THREADS * (self.producer_regs + self.num_mma_warpgroups * self.mma_regs)
         if regs * self.ctas_per_sm > REGISTERS_PER_SM:
             return False, f"{regs} registers x {self.ctas_per_sm} CTAs > {REGISTERS_PER_SM}"
+        # setmaxnreg.inc draws only on what the CTA's own warps gave back with .dec: the
+        # split must fit in the registers the CTA was launched with, or the MMA warpgroups'
+        # increase waits forever (a hang, not an error).
+        launched = self.launch_regs() * (self.num_mma_warpgroups + 1)
+        if self.producer_regs + self.num_mma_warpgroups * self.mma_regs > launched:
+            return False, (f"setmaxnreg split {self.producer_regs} + {self.num_mma_warpgroups} x "
+                           f"{self.mma_regs} exceeds the {launched} registers a thread slot of "
+                           f"each warpgroup was launched with ({self.launch_regs()} each)")
         # The launch cap (registers per thread at entry) must hold the larger role.
         if self.launch_regs() < self.producer_regs:
             return False, "the launch register cap is below the producer's"
@@ -207,10 +250,14 @@ class KernelConfig:
     def select(dtype: str = "bfloat16", head_dim: int = 128, group: int = 1,
                causal: bool = True, has_lse: bool = False, page_size: int = 16,
                arch: str = "sm_90a", *, window: bool = False, softcap: bool = False,
-               has_sinks: bool = False) -> "KernelConfig":
-        """The configuration podcute runs for these facts (raises ValueError if none)."""
+               has_sinks: bool = False, kv_dtype: str = "") -> "KernelConfig":
+        """The configuration podcute runs for these facts (raises ValueError if none).
+        `kv_dtype`: "" for a cache in q's dtype, else its fp8 type (FP8_KV_DTYPES)."""
         if head_dim not in SUPPORTED_HEAD_DIMS:
             raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+        if kv_dtype:
+            return KernelConfig._select_fp8(dtype, head_dim, group, causal, has_lse, page_size,
+                                            arch, window, softcap, has_sinks, kv_dtype)
         # FA3's structure: one CTA per SM = a producer warpgroup + two MMA warpgroups of
         # 64 rows over 128-token K/V tiles. D 128: Q 32 KB + 2 stages x (K + V) 128 KB +
         # 34 KB decode-combine scratch + 17 KB O staging; D 96 fits 3 stages but takes 2
@@ -250,7 +297,38 @@ class KernelConfig:
         while (cfg.num_stages + 2 <= max_stages and dataclasses.replace(
                 cfg, num_stages=cfg.num_stages + 2).smem_bytes() <= SMEM_BYTES_PER_SM):
             cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages + 2)
-        ok, why = cfg.can_implement()
+        return cfg._checked()
+
+    def _checked(self) -> "KernelConfig":
+        ok, why = self.can_implement()
         if not ok:
             raise ValueError(f"podcute has no kernel for this configuration: {why}")
-        return cfg
+        return self
+
+    @staticmethod
+    def _select_fp8(dtype, head_dim, group, causal, has_lse, page_size, arch, window,
+                    softcap, has_sinks, kv_dtype) -> "KernelConfig":
+        """An fp8 cache: 64-token tiles, because the fp8 staging stages need the shared
+        memory of 128-token 16-bit stages (D 128: Q 32 KB + 2 x 32 KB 16-bit K/V + 4 x
+        16 KB fp8 K/V + 34 KB scratch + 17 KB staging); 2 16-bit stages (the converters
+        refill one while the MMA warpgroups read the other) and as many fp8 stages (the
+        bytes in flight) as fit, up to 8. setmaxnreg 72/216: the converters keep 3 chunks'
+        loads in flight (they spill at 56); 64-token S and P fragments leave the MMA
+        warpgroups room."""
+        if head_dim not in FP8_HEAD_DIMS:
+            raise ValueError(f"fp8 KV caches need head_dim in {FP8_HEAD_DIMS}, got {head_dim}")
+        if kv_dtype not in FP8_KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {FP8_KV_DTYPES}, got {kv_dtype!r}")
+        tile_n = 64
+        kv_box = tile_n if page_size % tile_n == 0 else 16 if page_size % 16 == 0 else 0
+        cfg = KernelConfig(
+            arch=arch, dtype=dtype, head_dim=head_dim, group=group, causal=bool(causal),
+            has_lse=bool(has_lse), kv_box=kv_box, tile_m_prefill=128, tile_m_decode=64,
+            tile_n=tile_n, num_stages=2, num_mma_warpgroups=2, ctas_per_sm=1,
+            producer_regs=72, mma_regs=216, window=bool(window), softcap=bool(softcap),
+            has_sinks=bool(has_sinks), kv_dtype=kv_dtype, fp8_stages=2,
+        )
+        while (cfg.fp8_stages + 2 <= 8 and dataclasses.replace(
+                cfg, fp8_stages=cfg.fp8_stages + 2).smem_bytes() <= SMEM_BYTES_PER_SM):
+            cfg = dataclasses.replace(cfg, fp8_stages=cfg.fp8_stages + 2)
+        return cfg._checked()

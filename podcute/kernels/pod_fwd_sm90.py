@@ -46,6 +46,7 @@ from cutlass.utils import LayoutEnum
 from podcute import layouts
 from podcute.kernels.barriers import NamedBarrier
 from podcute.kernels.config import WARPGROUP_THREADS, KernelConfig
+from podcute.kernels.dequant import Dequant
 from podcute.kernels.epilogue import (staging_tile, store_fragments, store_lse, store_partial,
                                       store_rows)
 from podcute.kernels.gather import RowGather
@@ -57,7 +58,8 @@ from podcute.kernels.split_merge import finish_split
 from podcute.kernels.visibility import left_mask_until
 from podcute.kernels.work import WorkItem
 
-_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
+_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16,
+           "float8_e4m3fn": cutlass.Float8E4M3FN, "float8_e5m2": cutlass.Float8E5M2}
 WG_ROWS = 64  # rows of one MMA warpgroup: one m64 wgmma
 
 
@@ -101,6 +103,9 @@ class PodAttentionSm90:
         self.causal = cfg.causal
         self.has_lse = cfg.has_lse
         self.tma_kv = cfg.tma_kv
+        # fp8 cache: the element type K/V arrive in (staged, then converted to self.dtype).
+        self.fp8 = cfg.fp8
+        self.kv_dtype = _DTYPES[cfg.kv_dtype] if cfg.fp8 else self.dtype
         self.tile_m = cfg.tile_m_prefill  # rows of sQ: every MMA warpgroup's 64
         self.tile_n = cfg.tile_n
         self.num_stages = cfg.num_stages
@@ -132,6 +137,8 @@ class PodAttentionSm90:
         mO: cute.Tensor,  # [T, Hq, D]
         mLSE: Optional[cute.Tensor],  # [T, Hq] fp32 or None
         mSinks: Optional[cute.Tensor],  # [Hq] fp32 sink logits (has_sinks) or None
+        mKScale: Optional[cute.Tensor],  # fp8 cache: [Hkv] or [1] fp32 dequant scales
+        mVScale: Optional[cute.Tensor],
         mWork: cute.Tensor,  # [items, WORK_COLS] int32 (metadata.WorkCol)
         mCtaPtr: cute.Tensor,  # [grid + 1] int32
         mQStart: cute.Tensor,  # [B + 1] int32
@@ -165,6 +172,11 @@ class PodAttentionSm90:
         # The scratch is also warpgroup 0's O staging tile; warpgroup 1 has its own.
         scratch_words = max(self.cfg.combine_floats, self.cfg.staging_bytes() // 4)
         staging_elems = max(self.cfg.staging_bytes() // self.cfg.elem_bytes, 8)
+        # fp8 staging: row-major, unswizzled (the converters read 16-byte row pieces;
+        # 8 threads of a warp cover 128 contiguous bytes, so no bank conflicts).
+        fp8_stages = max(self.cfg.fp8_stages, 1)
+        s8_layout = cute.make_layout((tile_n, d, fp8_stages), stride=(d, 1, tile_n * d))
+        s8_elems = cute.cosize(s8_layout)
 
         @cute.struct
         class SharedStorage:
@@ -172,9 +184,15 @@ class PodAttentionSm90:
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
             mbar_combine: cute.struct.MemRange[cutlass.Int64, 2]
+            if const_expr(self.fp8):  # (16-bit variants: the same layout as without fp8)
+                mbar_k8: cute.struct.MemRange[cutlass.Int64, 2 * fp8_stages]
+                mbar_v8: cute.struct.MemRange[cutlass.Int64, 2 * fp8_stages]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+            if const_expr(self.fp8):
+                sK8: cute.struct.Align[cute.struct.MemRange[self.kv_dtype, s8_elems], 128]
+                sV8: cute.struct.Align[cute.struct.MemRange[self.kv_dtype, s8_elems], 128]
             scratch: cute.struct.Align[cute.struct.MemRange[Float32, scratch_words], 128]
             staging1: cute.struct.Align[cute.struct.MemRange[self.dtype, staging_elems], 128]
             pages: cute.struct.MemRange[Int32, 2 * self.tile_n]  # gather: page of each row
@@ -186,19 +204,20 @@ class PodAttentionSm90:
             # Boxes of (kv_box slots, one swizzle-atom column block) over (slot, dim,
             # kv_head, page): every box lies inside one page of one head and lands as a
             # contiguous piece of a column block of the tile (docs/design.md).
-            atom_cols = cute.size(smem_atom(self.dtype, d).outer, mode=[1])
-            box = (self.cfg.kv_box, atom_cols)
-            box_layout = tile_smem_layout(self.dtype, self.cfg.kv_box, atom_cols)
+            box = (self.cfg.kv_box, self.box_cols)
+            box_layout = tile_smem_layout(self.dtype, self.cfg.kv_box, self.box_cols)
+            if const_expr(self.fp8):
+                box_layout = cute.make_layout(box, stride=(d, 1))
             op = cpasync.CopyBulkTensorTileG2SOp()
             tma_atom_k, mK = cpasync.make_tiled_tma_atom(
                 op, layouts.kv_tma_view(mK), box_layout, box)
             tma_atom_v, mV = cpasync.make_tiled_tma_atom(
                 op, layouts.kv_tma_view(mV), box_layout, box)
         self.kernel(
-            mQ, mK, mV, mO, mLSE, mSinks, mWork, mCtaPtr, mQStart, mKvLen, mPageStart, mPageList,
-            mPartialO, mPartialLSE, mMerge, mSlotMerge, mMergeSem, mParams, mIParams, page_shift,
-            tma_atom_k, tma_atom_v, tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sV_layout,
-            scratch_layout,
+            mQ, mK, mV, mO, mLSE, mSinks, mKScale, mVScale, mWork, mCtaPtr, mQStart, mKvLen,
+            mPageStart, mPageList, mPartialO, mPartialLSE, mMerge, mSlotMerge, mMergeSem, mParams,
+            mIParams, page_shift, tma_atom_k, tma_atom_v, tiled_mma_qk, tiled_mma_pv, sQ_layout,
+            sK_layout, sV_layout, s8_layout, scratch_layout,
         ).launch(
             grid=[num_ctas, 1, 1],
             block=[self.cfg.num_threads, 1, 1],
@@ -219,6 +238,8 @@ class PodAttentionSm90:
         mO: cute.Tensor,
         mLSE: Optional[cute.Tensor],
         mSinks: Optional[cute.Tensor],
+        mKScale: Optional[cute.Tensor],
+        mVScale: Optional[cute.Tensor],
         mWork: cute.Tensor,
         mCtaPtr: cute.Tensor,
         mQStart: cute.Tensor,
@@ -240,6 +261,7 @@ class PodAttentionSm90:
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
+        s8_layout: cute.Layout,
         scratch_layout: cute.Layout,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -254,6 +276,10 @@ class PodAttentionSm90:
         )
         pipeline_k = self._make_kv_pipeline(storage.mbar_k.data_ptr(), producers, consumers)
         pipeline_v = self._make_kv_pipeline(storage.mbar_v.data_ptr(), producers, consumers)
+        pipeline_k8 = pipeline_v8 = None
+        if const_expr(self.fp8):
+            pipeline_k8 = self._make_fp8_pipeline(storage.mbar_k8.data_ptr())
+            pipeline_v8 = self._make_fp8_pipeline(storage.mbar_v8.data_ptr())
         # Decode combine hand-over, warpgroup 1 -> warpgroup 0 through the scratch: an
         # mbarrier pipeline of one stage (every thread arrives, so each thread's scratch
         # accesses are ordered against the other warpgroup's; racecheck follows it).
@@ -272,6 +298,10 @@ class PodAttentionSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sK8 = sV8 = None
+        if const_expr(self.fp8):
+            sK8 = storage.sK8.get_tensor(s8_layout)
+            sV8 = storage.sV8.get_tensor(s8_layout)
 
         # This CTA's item list is read after setmaxnreg: a value live across the register
         # reallocation goes through local memory (a spill).
@@ -280,9 +310,10 @@ class PodAttentionSm90:
             cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
             self.produce(
                 mQ, mK, mV, mWork, mQStart, mKvLen, mPageStart, mPageList, page_shift,
-                tma_atom_k, tma_atom_v, sQ, sK, sV,
+                tma_atom_k, tma_atom_v, sQ, sK, sV, sK8, sV8,
                 storage.pages.get_tensor(cute.make_layout((self.tile_n, 2))),
-                pipeline_q, pipeline_k, pipeline_v, mCtaPtr[cta], mCtaPtr[cta + 1],
+                pipeline_q, pipeline_k, pipeline_v, pipeline_k8, pipeline_v8, mCtaPtr[cta],
+                mCtaPtr[cta + 1],
             )
             # Stay until the MMA warpgroups are done: no warp of the CTA exits early
             # (compute-sanitizer's racecheck mis-orders named barriers across exited
@@ -293,7 +324,8 @@ class PodAttentionSm90:
             cute.arch.setmaxregister_increase(self.cfg.mma_regs)
             staging_row = self.cfg.staging_row
             self.consume(
-                mO, mLSE, mSinks, mWork, mQStart, mKvLen, mPageStart, mPartialO, mPartialLSE,
+                mO, mLSE, mSinks, mKScale, mVScale, mWork, mQStart, mKvLen, mPageStart,
+                mPartialO, mPartialLSE,
                 mMerge, mSlotMerge, mMergeSem, storage.merge_flag.get_tensor(cute.make_layout(1)),
                 storage.scratch.get_tensor(scratch_layout),
                 staging_tile(storage.scratch.data_ptr(), self.dtype, WG_ROWS, self.head_dim,
@@ -307,6 +339,15 @@ class PodAttentionSm90:
                                      number_of_threads=self.cfg.num_threads)
 
     def _make_kv_pipeline(self, barriers, producers, consumers):
+        if const_expr(self.fp8):
+            # The 16-bit stages: filled by the converting threads (each arrives after its
+            # stores and their proxy fence), read by every MMA thread.
+            return pipeline.PipelineAsync.create(
+                barrier_storage=barriers, num_stages=self.num_stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                         self.cfg.num_converters),
+                consumer_group=consumers, defer_sync=True,
+            )
         if const_expr(self.tma_kv):
             # One elected thread arms the barrier with the tile's bytes; one thread per
             # MMA warp releases a stage.
@@ -322,6 +363,35 @@ class PodAttentionSm90:
             barrier_storage=barriers, num_stages=self.num_stages,
             producer_group=producers, consumer_group=consumers, defer_sync=True,
         )
+
+    def _make_fp8_pipeline(self, barriers):
+        """The fp8 staging stages: filled by TMA (one elected thread arms each with the
+        tile's bytes) or by the cp.async loaders; released by the converting warps."""
+        converters = self.cfg.num_converters
+        if const_expr(self.tma_kv):
+            return pipeline.PipelineTmaAsync.create(
+                barrier_storage=barriers, num_stages=self.cfg.fp8_stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                         converters // 32),
+                tx_count=self.tile_n * self.head_dim * self.kv_dtype.width // 8,
+                defer_sync=True,
+            )
+        return pipeline.PipelineCpAsync.create(
+            barrier_storage=barriers, num_stages=self.cfg.fp8_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                     self.cfg.num_loaders),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, converters),
+            defer_sync=True,
+        )
+
+    @property
+    def box_cols(self) -> int:
+        """Columns of a K/V TMA box: one swizzle-atom column block of the 16-bit stage, or
+        a whole fp8 row (fp8 staging is unswizzled)."""
+        if self.fp8:
+            return self.head_dim
+        return cute.size(smem_atom(self.dtype, self.head_dim).outer, mode=[1])
 
     # ---- producer ---------------------------------------------------------------------
 
@@ -342,38 +412,101 @@ class PodAttentionSm90:
         sQ: cute.Tensor,
         sK: cute.Tensor,
         sV: cute.Tensor,
+        sK8: cute.Tensor,
+        sV8: cute.Tensor,
         sPages: cute.Tensor,
         pipeline_q: pipeline.PipelineAsync,
         pipeline_k: pipeline.PipelineAsync,
         pipeline_v: pipeline.PipelineAsync,
+        pipeline_k8: Optional[pipeline.PipelineAsync],
+        pipeline_v8: Optional[pipeline.PipelineAsync],
         item_begin: Int32,
         item_end: Int32,
     ):
+        """Q of every item by the whole warpgroup; K/V tiles by TMA (warp 0) or a cp.async
+        gather. With an fp8 cache the copies land in the fp8 staging stages and the other
+        warps convert each tile into the 16-bit stage (`convert_kv`)."""
         tile_n, d = self.tile_n, self.head_dim
         tidx = cute.arch.thread_idx()[0]
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         page_divisor = layouts.PageShift(page_shift)
         # Q rows resolve their own addresses (4 threads a row: few rows per thread); K/V
         # rows read their pages from shared memory (8 threads a row: whole 128 B lines).
         q_gather = RowGather.create(self.dtype, self.tile_m, d, WARPGROUP_THREADS, tidx,
                                     threads_per_row=4)
-        kv_gather = RowGather.create(self.dtype, tile_n, d, WARPGROUP_THREADS, tidx)
+        kv_gather = None
+        if const_expr(not self.tma_kv):
+            kv_gather = RowGather.create(self.kv_dtype, tile_n, d, self.kv_loaders, tidx)
+        # Where the K/V copies land: the 16-bit stages, or the fp8 staging stages.
+        sK_in, sV_in, pipe_k_in, pipe_v_in = sK, sV, pipeline_k, pipeline_v
+        dequant = None
+        if const_expr(self.fp8):
+            sK_in, sV_in, pipe_k_in, pipe_v_in = sK8, sV8, pipeline_k8, pipeline_v8
+            converters = self.cfg.num_converters
+            dequant = Dequant(tidx - (WARPGROUP_THREADS - converters), converters,
+                              self.cfg.kv_dtype, self.cfg.dtype)
         kv_count = Int32(0)  # K/V tiles produced so far
         for i in cutlass.range(item_begin, item_end, unroll=1):
             item = WorkItem.load(mWork, mQStart, mKvLen, mPageStart, i)
             self.produce_q(mQ, sQ, q_gather, pipeline_q, item, i - item_begin)
             n_min, n_max, _ = item.tile_bounds(item.row_start, self.group, self.causal, tile_n)
+            convert = partial(self.convert_kv, dequant, sK8, sV8, sK, sV, pipeline_k8,
+                              pipeline_v8, pipeline_k, pipeline_v, kv_count, item, n_min, n_max)
             if const_expr(self.tma_kv):
-                if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0:
+                if warp == 0:  # one warp issues the boxes
                     self.produce_kv_tma(
-                        mK, mV, mPageList, page_divisor, tma_atom_k, tma_atom_v, sK, sV,
-                        pipeline_k, pipeline_v, kv_count, item, n_min, n_max,
+                        mK, mV, mPageList, page_divisor, tma_atom_k, tma_atom_v, sK_in, sV_in,
+                        pipe_k_in, pipe_v_in, kv_count, item, n_min, n_max,
                     )
+                else:
+                    if const_expr(self.fp8):
+                        convert()
             else:
-                self.produce_kv_gather(
-                    mK, mV, mPageList, page_divisor, kv_gather, sK, sV, sPages,
-                    pipeline_k, pipeline_v, kv_count, item, n_min, n_max,
-                )
+                gather = partial(self.produce_kv_gather, mK, mV, mPageList, page_divisor,
+                                 kv_gather, sK_in, sV_in, sPages, pipe_k_in, pipe_v_in,
+                                 kv_count, item, n_min, n_max)
+                if const_expr(self.fp8):
+                    if warp < self.kv_loaders // 32:  # loaders, then converters
+                        gather()
+                    else:
+                        convert()
+                else:
+                    gather()  # the whole warpgroup
             kv_count += n_max - n_min
+
+    @property
+    def kv_loaders(self) -> int:
+        """Threads of the cp.async K/V gather."""
+        return self.cfg.num_loaders
+
+    @property
+    def copy_stages(self) -> int:
+        """Stages of the pipeline the K/V copies fill (the fp8 staging, or the 16-bit)."""
+        return self.cfg.fp8_stages if self.fp8 else self.num_stages
+
+    @cute.jit
+    def convert_kv(self, dequant: Dequant, sK8: cute.Tensor, sV8: cute.Tensor, sK: cute.Tensor,
+                   sV: cute.Tensor, pipeline_k8, pipeline_v8, pipeline_k, pipeline_v,
+                   kv_count: Int32, item: WorkItem, n_min: Int32, n_max: Int32):
+        """Dequantise each staged fp8 K and V tile of the item into a 16-bit stage (tile
+        n_min is the kv_count-th of both pipelines). V rows past the item's keys become
+        zeros, as zero_v_tail does for 16-bit TMA tiles."""
+        sK8w = cute.recast_tensor(sK8, Int32)
+        sV8w = cute.recast_tensor(sV8, Int32)
+        for n_block in cutlass.range(n_min, n_max, unroll=1):
+            count = kv_count + n_block - n_min
+            s8 = stage(count, self.cfg.fp8_stages)
+            s16 = stage(count, self.num_stages, producer=True)
+            for sX8w, sX, pipe8, pipe, zero_from in (
+                    (sK8w, sK, pipeline_k8, pipeline_k, Int32(self.tile_n)),
+                    (sV8w, sV, pipeline_v8, pipeline_v, item.kv_end - n_block * self.tile_n)):
+                pipe8.consumer_wait(s8)
+                pipe.producer_acquire(s16)
+                dequant.tile(sX8w[None, None, s8.index], sX[None, None, s16.index], zero_from)
+                # Generic-proxy stores, read by wgmma through the async proxy.
+                cute.arch.fence_view_async_shared()
+                pipe.producer_commit(s16)
+                pipe8.consumer_release(s8)
 
     @cute.jit
     def produce_q(self, mQ, sQ, q_gather, pipeline_q, item: WorkItem, q_count: Int32):
@@ -419,7 +552,7 @@ class PodAttentionSm90:
             token = layouts.clamp_token(n_block * tile_n, lane_box * kv_box, item.kv_end)
             page, slot = layouts.kv_locate(mPageList, item.page_start, token, page_divisor)
             box_in_page = slot // kv_box
-            kv_state = stage(kv_count + n_block - n_min, self.num_stages, producer=True)
+            kv_state = stage(kv_count + n_block - n_min, self.copy_stages, producer=True)
             pipeline_k.producer_acquire(kv_state)
             self._copy_boxes(tma_atom_k, tKgK, tKsK, page, box_in_page, kv_state,
                              pipeline_k.producer_get_barrier(kv_state), boxes, pieces)
@@ -448,8 +581,7 @@ class PodAttentionSm90:
     def _tma_tiles(self, tma_atom, mX_tma, sX, kv_head):
         """(smem boxes (TMA, box, column block, stage), gmem boxes (TMA, box within page,
         column block, page)) for one KV head."""
-        atom_cols = cute.size(smem_atom(self.dtype, self.head_dim).outer, mode=[1])
-        tiler = (self.cfg.kv_box, atom_cols)
+        tiler = (self.cfg.kv_box, self.box_cols)
         gX = cute.flat_divide(mX_tma[None, None, kv_head, None], tiler)
         sXd = cute.flat_divide(sX, tiler)
         return cpasync.tma_partition(
@@ -479,7 +611,7 @@ class PodAttentionSm90:
             buf = (kv_count + n_block - n_min) % 2
             # This tile's lookups (every producer thread's) are in sPages[:, buf].
             cute.arch.barrier(barrier_id=NamedBarrier.PRODUCER,
-                              number_of_threads=WARPGROUP_THREADS)
+                              number_of_threads=self.kv_loaders)
 
             def row_of(mKV):
                 def gmem_row(m, r):
@@ -488,7 +620,7 @@ class PodAttentionSm90:
                     return layouts.kv_row_at(mKV, sPages[r, buf], slot, item.kv_head)
                 return gmem_row
 
-            kv_state = stage(kv_count + n_block - n_min, self.num_stages, producer=True)
+            kv_state = stage(kv_count + n_block - n_min, self.copy_stages, producer=True)
             pipeline_k.producer_acquire(kv_state)
             kv_gather.copy_rows(sK[None, None, kv_state.index], row_of(mK))
             cute.arch.cp_async_commit_group()
@@ -509,7 +641,7 @@ class PodAttentionSm90:
         """Physical page of each row of KV tile n_block into sPages[:, buf], one row per
         producer thread (tokens clamped into the item's range, so no page-table entry
         past its pages is read)."""
-        for r in cutlass.range(tidx, self.tile_n, WARPGROUP_THREADS, unroll=1):
+        for r in cutlass.range(tidx, self.tile_n, self.kv_loaders, unroll=1):
             token = layouts.clamp_token(n_block * self.tile_n, r, item.kv_end)
             sPages[r, buf], _ = layouts.kv_locate(mPageList, item.page_start, token,
                                                   page_divisor)
@@ -522,6 +654,8 @@ class PodAttentionSm90:
         mO: cute.Tensor,
         mLSE: Optional[cute.Tensor],
         mSinks: Optional[cute.Tensor],
+        mKScale: Optional[cute.Tensor],
+        mVScale: Optional[cute.Tensor],
         mWork: cute.Tensor,
         mQStart: cute.Tensor,
         mKvLen: cute.Tensor,
@@ -610,6 +744,13 @@ class PodAttentionSm90:
                     cutlass.min(item.row_end, item.row_start + row_offset + WG_ROWS),
                     self.group, mIParams[IParam.WINDOW_LEFT], tile_n)
             softmax.reset()
+            # An fp8 cache's k_scale multiplies every score of the item's KV head: it folds
+            # into the softmax's scale (exact up to one rounding: S is linear in K).
+            item_softmax = softmax
+            if const_expr(self.fp8 and not self.cfg.softcap):
+                item_softmax = OnlineSoftmax(
+                    softmax.row_max, softmax.row_sum,
+                    softmax.scale_log2 * self.kv_scale(mKScale, item.kv_head))
             acc_O.fill(0.0)
             q_state = stage(i - mCtaPtr[cute.arch.block_idx()[0]], 1)  # the item's Q use
             pipeline_q.consumer_wait(q_state)
@@ -621,16 +762,17 @@ class PodAttentionSm90:
                                 mKvLen=mKvLen, mPageStart=mPageStart, mIParams=mIParams, i=i,
                                 wg=wg)
             score_tile = partial(self.score_tile, mask_tile=mask_tile, mask_from=mask_from,
-                                 mask_until=mask_until, mParams=mParams)
+                                 mask_until=mask_until, mParams=mParams, mKScale=mKScale,
+                                 kv_head=item.kv_head)
             if decode != 0:
                 self.mainloop_decode(
                     tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_shape_S, acc_O, rP, tOrP,
-                    softmax, row_scale, score_tile, sV, pipeline_q, q_state, pipeline_k,
+                    item_softmax, row_scale, score_tile, sV, pipeline_q, q_state, pipeline_k,
                     pipeline_v, kv_count, n_min, n_max, item.kv_end, mma_tidx, wg)
             else:
                 self.mainloop_prefill(
                     tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_shape_S, acc_O, rP, tOrP,
-                    softmax, row_scale, score_tile, sV, pipeline_q, q_state, pipeline_k,
+                    item_softmax, row_scale, score_tile, sV, pipeline_q, q_state, pipeline_k,
                     pipeline_v, kv_count, n_min, n_max, item.kv_end, mma_tidx, wg)
             kv_count += n_max - n_min
             # Reload the item for the epilogue (an L1 hit) rather than keep every field
@@ -640,12 +782,19 @@ class PodAttentionSm90:
             row_offset = wg * WG_ROWS * (1 - decode)
             if decode != 0:
                 # Fold warpgroup 1's softmax state and O into warpgroup 0's.
-                self.combine_decode(softmax, acc_O, sScratch, pipeline_combine,
+                self.combine_decode(item_softmax, acc_O, sScratch, pipeline_combine,
                                     item.decode_index, tidx, wg)
             # sm_scale is re-read (an L1 hit) rather than held through the mainloop.
-            inv_sum, lse = softmax.finalize(
-                mParams[self.logit_param],
-                self.row_sinks(mSinks, tOcO, item, row_offset))
+            logit_scale = mParams[self.logit_param]
+            if const_expr(self.fp8 and not self.cfg.softcap):
+                logit_scale = logit_scale * self.kv_scale(mKScale, item.kv_head)
+            inv_sum, lse = softmax.finalize(logit_scale,
+                                            self.row_sinks(mSinks, tOcO, item, row_offset))
+            if const_expr(self.fp8):
+                # v_scale multiplies every value: O's normaliser takes it (not the LSE).
+                v_scale = self.kv_scale(mVScale, item.kv_head)
+                for r in cutlass.range_constexpr(cute.size(inv_sum)):
+                    inv_sum[r] = inv_sum[r] * v_scale
             rescale_rows(acc_O, inv_sum)
             if decode * wg == 0:  # prefill: each warpgroup its rows; decode: warpgroup 0
                 self.epilogue(acc_O, lse, thr_mma_pv, tOcO, sStage, item, row_offset, mO,
@@ -711,9 +860,10 @@ class PodAttentionSm90:
             rescale_rows(acc_O, row_scale)
             v_state = stage(kv_count + n_max - 1 - n_min, stages)
             pipeline_v.consumer_wait(v_state)
-            if const_expr(self.tma_kv):
+            if const_expr(self.tma_kv and not self.fp8):
                 # TMA boxes bring whole page pieces: slots past kv_len may hold garbage
-                # (NaN), and P = 0 times NaN is NaN, so zero those V rows.
+                # (NaN), and P = 0 times NaN is NaN, so zero those V rows (the fp8
+                # converters write them as zeros).
                 if n_max * tile_n > kv_end:
                     self.zero_v_tail(sV[None, None, v_state.index],
                                      kv_end - (n_max - 1) * tile_n, mma_tidx, wg, Int32(0))
@@ -746,7 +896,7 @@ class PodAttentionSm90:
             rP.store(acc_S.load().to(self.dtype))  # S dies here, before O is rescaled
             rescale_rows(acc_O, row_scale)
             pipeline_v.consumer_wait(kv_state)
-            if const_expr(self.tma_kv):
+            if const_expr(self.tma_kv and not self.fp8):
                 if (n_block + 1) * tile_n > kv_end:  # the page tail: see mainloop_prefill
                     self.zero_v_tail(sV[None, None, kv_state.index], kv_end - n_block * tile_n,
                                      mma_tidx, wg, Int32(1))
@@ -759,13 +909,18 @@ class PodAttentionSm90:
 
     @cute.jit
     def score_tile(self, acc_S: cute.Tensor, n_block: Int32, mask_tile, mask_from: Int32,
-                   mask_until: Int32, mParams: cute.Tensor):
+                   mask_until: Int32, mParams: cute.Tensor, mKScale: Optional[cute.Tensor],
+                   kv_head: Int32):
         """Scores of KV tile `n_block` before the softmax: soft-capped (a variant's flag),
         then masked if the tile holds a key some row must not see (tiles >= mask_from on
         the right, < mask_until left of a window)."""
         if const_expr(self.cfg.softcap):
-            # (an L1 hit, not a register held through the mainloop)
-            softcap_scores(acc_S, mParams[Param.SOFTCAP_SCALE])
+            # (an L1 hit, not a register held through the mainloop; an fp8 cache's
+            # k_scale goes inside the tanh with sm_scale)
+            cap_scale = mParams[Param.SOFTCAP_SCALE]
+            if const_expr(self.fp8):
+                cap_scale = cap_scale * self.kv_scale(mKScale, kv_head)
+            softcap_scores(acc_S, cap_scale)
         needs_mask = n_block >= mask_from
         if const_expr(self.cfg.window):
             needs_mask = needs_mask | (n_block < mask_until)
@@ -814,10 +969,17 @@ class PodAttentionSm90:
         return sink
 
     @cute.jit
+    def kv_scale(self, mScale: cute.Tensor, kv_head: Int32) -> Float32:
+        """An fp8 cache's dequantisation scale for `kv_head`: the tensor holds one per KV
+        head or one for all (an L1 hit, re-read where it is used)."""
+        return mScale[cutlass.min(kv_head, cute.size(mScale) - 1)]
+
+    @cute.jit
     def fence_gathered_kv(self):
         """cp.async wrote the K/V stage through the generic proxy; wgmma reads it via the
-        async one. TMA writes through the async proxy: nothing to order."""
-        if const_expr(not self.tma_kv):
+        async one. TMA writes through the async proxy, and the fp8 converters fence their
+        own stores: nothing to order."""
+        if const_expr(not self.tma_kv and not self.fp8):
             cute.arch.fence_view_async_shared()
 
     @cute.jit

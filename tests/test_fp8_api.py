@@ -1,0 +1,151 @@
+"""fp8 KV caches at the public edge, on a CPU machine: the configuration an fp8 cache
+selects, the compile key, and every bad argument (kv_dtype, cache dtype, scales) reported
+with a named error before any device check; a valid call without a Hopper GPU raises the
+clear RuntimeError."""
+
+import pytest
+import torch
+
+from podcute import PODAttention, pod_attention
+from podcute.compile import VariantKey
+from podcute.kernels.config import FP8_HEAD_DIMS, KernelConfig
+from tests.test_api import HAS_HOPPER, HKV, HQ, I32, PS, D, good, raises
+
+E4M3 = torch.float8_e4m3fn
+
+
+def fp8_good(layout="NHD", kv=E4M3):
+    g = good(layout)
+    g["k"], g["v"] = g["k"].to(kv), g["v"].to(kv)
+    return g
+
+
+def fp8_planned(layout="NHD", kv=E4M3):
+    g = fp8_good(layout, kv)
+    a = PODAttention(HQ, HKV, D, PS, device="cpu", kv_layout=layout, kv_dtype=kv)
+    a.plan(g["cu"], g["kvl"], block_table=g["bt"])
+    return a, g
+
+
+@pytest.mark.parametrize("page", [1, 16, 128])
+@pytest.mark.parametrize("d", FP8_HEAD_DIMS)
+def test_fp8_config(page, d):
+    cfg = KernelConfig.select("bfloat16", d, 4, page_size=page, kv_dtype="float8_e4m3fn")
+    assert cfg.fp8 and cfg.tile_n == 64 and cfg.num_stages == 2 and cfg.fp8_stages >= 4
+    assert cfg.kv_box == (64 if page % 64 == 0 else 16 if page % 16 == 0 else 0)
+    assert cfg.can_implement() == (True, "")
+    plain = KernelConfig.select("bfloat16", d, 4, page_size=page)
+    assert VariantKey.make(cfg) != VariantKey.make(plain)  # the key carries the KV dtype
+    e5m2 = KernelConfig.select("bfloat16", d, 4, page_size=page, kv_dtype="float8_e5m2")
+    assert VariantKey.make(e5m2) != VariantKey.make(cfg)
+
+
+def test_fp8_config_refusals():
+    with raises(ValueError, "head_dim", "fp8"):
+        KernelConfig.select("bfloat16", 256, 4, kv_dtype="float8_e4m3fn")
+    with raises(ValueError, "kv_dtype"):
+        KernelConfig.select("bfloat16", 128, 4, kv_dtype="int8")
+
+
+def test_setmaxnreg_split_must_fit_the_launch_registers():
+    # 48 + 2 x 232 = 512 > 3 x 168 launched: the MMA warpgroups' increase would wait forever.
+    import dataclasses
+    cfg = KernelConfig.select("bfloat16", 128, 4, page_size=16, kv_dtype="float8_e4m3fn")
+    bad = dataclasses.replace(cfg, producer_regs=48, mma_regs=232)
+    ok, why = bad.can_implement()
+    assert not ok and "setmaxnreg" in why
+    for page in (1, 16, 128):
+        for d in (64, 96, 128, 256):
+            c = KernelConfig.select("float16", d, 8, page_size=page)
+            assert c.producer_regs + 2 * c.mma_regs <= 3 * c.launch_regs()
+
+
+def test_constructor_kv_dtype_errors():
+    with raises(TypeError, "kv_dtype"):
+        PODAttention(HQ, HKV, D, PS, device="cpu", kv_dtype=torch.float32)
+    with raises(TypeError, "kv_dtype"):
+        PODAttention(HQ, HKV, D, PS, device="cpu", kv_dtype=torch.float16)  # not q's dtype
+    with raises(ValueError, "head_dim", "fp8"):
+        PODAttention(HQ, HKV, 256, PS, device="cpu", kv_dtype=E4M3)
+    a = PODAttention(HQ, HKV, D, PS, device="cpu", kv_dtype=torch.bfloat16)  # q's dtype
+    assert not a.fp8 and a.planner.config.kernel.kv_dtype == ""
+    b = PODAttention(HQ, HKV, D, PS, device="cpu", kv_dtype=E4M3)
+    assert b.fp8 and b.planner.config.kernel.kv_dtype == "float8_e4m3fn"
+
+
+def test_run_fp8_cache_dtype_errors():
+    a, g = fp8_planned()
+    with raises(TypeError, "k_cache", "float8_e4m3fn"):
+        a.run(g["q"], g["k"].to(torch.bfloat16), g["v"])
+    with raises(TypeError, "k_cache", "float8_e4m3fn"):
+        a.run(g["q"], g["k"], g["v"].to(torch.float8_e5m2))
+    with raises(TypeError, "q", "bfloat16"):
+        a.run(g["q"].half(), g["k"], g["v"])
+    plain, g16 = fp8_planned(kv=torch.bfloat16)  # a 16-bit PODAttention given fp8 caches
+    with raises(TypeError, "k_cache", "kv_dtype"):
+        plain.run(g16["q"], g["k"], g["v"])
+
+
+def test_fp8_rows_must_be_16_byte_aligned():
+    a, g = fp8_planned()
+    big = torch.zeros(8, PS, HKV, D + 8, dtype=E4M3)[..., :D]  # row stride D + 8 bytes
+    with raises(ValueError, "k_cache", "16-byte", "16 elements"):
+        a.run(g["q"], big, big)
+
+
+@pytest.mark.parametrize("name", ["k_scale", "v_scale"])
+def test_scale_errors(name):
+    a, g = fp8_planned()
+
+    def run(scale):
+        a.run(g["q"], g["k"], g["v"], **{name: scale})
+
+    with raises(TypeError, name, "float"):
+        run("1.0")
+    with raises(TypeError, name):
+        run(True)
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with raises(ValueError, name, "finite and > 0"):
+            run(bad)
+    with raises(TypeError, name, "float32"):
+        run(torch.ones(HKV, dtype=torch.float16))
+    with raises(ValueError, name, "[num_kv_heads]"):
+        run(torch.ones(HKV + 1))
+    with raises(ValueError, name, "[num_kv_heads]"):
+        run(torch.ones(1, HKV))
+    with raises(ValueError, name, "on"):
+        run(torch.ones(HKV, device="meta"))
+    with raises(ValueError, name, "contiguous"):
+        run(torch.ones(2 * HKV)[::2])
+
+
+def test_scales_refused_for_16bit_caches():
+    g = good()
+    a = PODAttention(HQ, HKV, D, PS, device="cpu")
+    a.plan(g["cu"], g["kvl"], block_table=g["bt"])
+    with raises(ValueError, "k_scale", "fp8"):
+        a.run(g["q"], g["k"], g["v"], k_scale=1.0)
+
+
+@pytest.mark.skipif(HAS_HOPPER, reason="checks the no-GPU error path")
+@pytest.mark.parametrize("scale", [None, 0.5, "tensor0", "tensorH"])
+def test_valid_fp8_call_without_hopper(scale):
+    a, g = fp8_planned()
+    s = {"tensor0": torch.tensor(0.5), "tensorH": torch.full((HKV,), 0.5)}.get(scale, scale)
+    with raises(RuntimeError, "Hopper"):
+        a.run(g["q"], g["k"], g["v"], k_scale=s, v_scale=s)
+    kw = dict(cu_seqlens_q=g["cu"], seqused_k=g["kvl"], block_table=g["bt"])
+    with raises(RuntimeError, "Hopper"):
+        pod_attention(g["q"], g["k"], g["v"], k_scale=s, v_scale=s, **kw)
+
+
+def test_one_shot_fp8_errors():
+    g = fp8_good()
+    kw = dict(cu_seqlens_q=g["cu"], seqused_k=g["kvl"], block_table=g["bt"])
+    with raises(ValueError, "v_scale", "finite"):
+        pod_attention(g["q"], g["k"], g["v"], v_scale=-2.0, **kw)
+    q = torch.randn(21, HQ, 256, dtype=torch.bfloat16)
+    k = torch.zeros(8, PS, HKV, 256, dtype=E4M3)
+    with raises(ValueError, "head_dim", "fp8"):
+        pod_attention(q, k, k, **kw)
+    assert I32  # (shared fixtures)
