@@ -70,9 +70,11 @@ def _check_semantics(dropout_p, alibi_slopes, return_attn_probs, q_v, q_descale,
     for name, value, why in (
             ("alibi_slopes", alibi_slopes, "no ALiBi"),
             ("q_v", q_v, "no separate value-query (MLA) input"),
-            ("q_descale", q_descale, "fp8 inputs are not supported yet"),
-            ("k_descale", k_descale, "fp8 inputs are not supported yet"),
-            ("v_descale", v_descale, "fp8 inputs are not supported yet"),
+            ("q_descale", q_descale, "no fp8 queries"),
+            ("k_descale", k_descale, "fp8 KV caches go through podcute.PODAttention(kv_dtype="
+                                     "...) and run(k_scale=, v_scale=) for now"),
+            ("v_descale", v_descale, "fp8 KV caches go through podcute.PODAttention(kv_dtype="
+                                     "...) and run(k_scale=, v_scale=) for now"),
             ("seqused_q", seqused_q, "query lengths come from cu_seqlens_q"),
             ("cp_tot_seqused_k", cp_tot_seqused_k, "no context parallelism")):
         if value is not None:

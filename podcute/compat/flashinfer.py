@@ -172,7 +172,9 @@ def _plan_dtype(q_data_type, kv_data_type=None, data_type=None) -> torch.dtype:
                                   "torch.bfloat16, torch.float16)")
     if kv != q:
         raise NotImplementedError(f"kv_data_type={kv} with q_data_type={q} is not supported by "
-                                  "podcute (supported: the KV cache in q's dtype; no fp8 caches)")
+                                  "podcute's FlashInfer wrappers (supported: the KV cache in q's "
+                                  "dtype; fp8 caches go through podcute.PODAttention(kv_dtype=...) "
+                                  "for now)")
     return q
 
 
