@@ -4,14 +4,16 @@ The converting warps of the producer warpgroup read a staged fp8 tile (row-major
 unswizzled, as TMA or cp.async wrote it) 16 bytes a thread and write the 16-bit stage
 the MMA warpgroups read (swizzled, as wgmma wants it).
 
-Each fp8 byte is moved into the 16-bit format by integer ops (two `prmt` place the 4
-bytes of a word at the top of four 16-bit lanes, a shift lines the exponent up, a
-`lop3` restores the sign) and one packed multiply by a power of two undoes the bias
-difference. Every fp8 value, subnormals included, is exactly representable in both
-16-bit types, and the multiply by a power of two is exact, so the conversion is exact.
-fp8 codes that mean NaN or infinity come out finite (e4m3 0x7f reads 480): valid
-caches hold none (the quantiser saturates), and slots past a request's keys are masked
-(K) or zeroed (V) whatever they hold.
+e4m3 -> fp16 is one hardware instruction a pair (`cvt.rn.f16x2.e4m3x2`, sm_89+). The
+other formats are moved by integer ops (two `prmt` place the 4 bytes of a word at the top
+of four 16-bit lanes, a shift lines the exponent up, a `lop3` restores the sign) and one
+packed multiply by a power of two undoes the bias difference (none for e5m2 -> fp16,
+which is fp16's high byte). Every fp8 value, subnormals included, is exactly
+representable in both 16-bit types, and the multiply by a power of two is exact, so the
+conversion is exact. fp8 codes that mean NaN or infinity may come out finite through the
+bit moves (e4m3 0x7f reads 480 in bf16): valid caches hold none (the quantiser
+saturates), and slots past a request's keys are masked (K) or zeroed (V) whatever they
+hold.
 """
 
 from dataclasses import dataclass
