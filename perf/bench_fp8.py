@@ -33,13 +33,6 @@ from perf.bench import _rel_l2, _sets, measure_ceilings
 from perf.timing import time_gpu
 
 
-def fp8_bytes(w: W.Workload) -> int:
-    """Bytes of a batch with 16-bit Q/O and a 1-byte K/V cache."""
-    qo = 2 * w.total_q * w.num_qo_heads * w.head_dim * 2
-    keys = sum(W.seen_keys(q, kv, w.window_left) for q, kv in zip(w.q_lens, w.kv_lens))
-    return qo + 2 * keys * w.num_kv_heads * w.head_dim
-
-
 def run(w: W.Workload, page: int, ceil: dict, reps: int, l2_bytes: int,
         dtype=torch.bfloat16) -> dict:
     from podcute import PODAttention
@@ -55,7 +48,7 @@ def run(w: W.Workload, page: int, ceil: dict, reps: int, l2_bytes: int,
     res = dict(name=w.name, page_size=page, dtype=str(dtype).replace("torch.", ""),
                timings={}, rel_l2={},
                roofline_bf16_ms=W.roofline_s(w, mm, bw) * 1e3,
-               roofline_fp8_ms=max(W.flops(w) / mm, fp8_bytes(w) / bw) * 1e3)
+               roofline_fp8_ms=max(W.flops(w) / mm, W.bytes_moved(w, kv_elem_bytes=1) / bw) * 1e3)
     out = torch.empty_like(batch.q)
     for name, kv_dtype, k, v, scales in (
             ("16-bit", None, batch.k_cache, batch.v_cache, {}),
@@ -72,7 +65,7 @@ def run(w: W.Workload, page: int, ceil: dict, reps: int, l2_bytes: int,
         att.run(batch.q, k, v, out=out, **scales)
         res["rel_l2"][name] = _rel_l2(out, ref)
         del ref
-        qs = _sets(batch, fp8_bytes(w), l2_bytes)
+        qs = _sets(batch, W.bytes_moved(w, kv_elem_bytes=1), l2_bytes)
         sets = [(s[0], k, v) if i == 0 else (s[0], k.clone(), v.clone())
                 for i, s in enumerate(qs)]
 

@@ -188,11 +188,14 @@ def flops(w: Workload) -> int:
     return 4 * w.num_qo_heads * w.head_dim * pairs
 
 
-def bytes_moved(w: Workload, elem_bytes: int = ELEM_BYTES) -> int:
+def bytes_moved(w: Workload, elem_bytes: int = ELEM_BYTES,
+                kv_elem_bytes: int | None = None) -> int:
+    """Q and O at `elem_bytes` an element, the K/V each request sees at `kv_elem_bytes`
+    (default the same; 1 for an fp8 cache)."""
     qo = 2 * w.total_q * w.num_qo_heads * w.head_dim
     keys = sum(seen_keys(q, kv, w.window_left) for q, kv in zip(w.q_lens, w.kv_lens))
     kv = 2 * keys * w.num_kv_heads * w.head_dim
-    return (qo + kv) * elem_bytes
+    return qo * elem_bytes + kv * (elem_bytes if kv_elem_bytes is None else kv_elem_bytes)
 
 
 def roofline_s(w: Workload, matmul_flops_per_s: float, copy_bytes_per_s: float) -> float:

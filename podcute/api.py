@@ -15,7 +15,8 @@ import math
 import torch
 
 from podcute.compile import unsupported_arch_message
-from podcute.kernels.config import FP8_HEAD_DIMS, SUPPORTED_HEAD_DIMS, SUPPORTED_PAGE_SIZES
+from podcute.kernels.config import (FP8_KV_DTYPES, SUPPORTED_HEAD_DIMS, SUPPORTED_PAGE_SIZES,
+                                    check_fp8_kv)
 from podcute.launch import launch, require_sm90
 from podcute.plan import CapacityError, Plan, Planner, PlanSummary
 from podcute.reuse import CallPlanner
@@ -25,7 +26,7 @@ __all__ = ["PODAttention", "pod_attention", "PlanSummary", "CapacityError", "KV_
 KV_LAYOUTS = ("NHD", "HND")
 _DTYPES = (torch.bfloat16, torch.float16)
 # fp8 KV caches (queries and output stay 16-bit): torch dtype -> KernelConfig.kv_dtype.
-_FP8_DTYPES = {torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2"}
+_FP8_DTYPES = {getattr(torch, name): name for name in FP8_KV_DTYPES}
 
 
 # --------------------------------------------------------------------------------------
@@ -240,8 +241,8 @@ class PODAttention:
         if kv_dtype != dtype and kv_dtype not in _FP8_DTYPES:
             raise TypeError(f"kv_dtype must be None, dtype ({dtype}) or an fp8 type "
                             f"(torch.float8_e4m3fn, torch.float8_e5m2), got {kv_dtype}")
-        if kv_dtype in _FP8_DTYPES and head_dim not in FP8_HEAD_DIMS:
-            raise ValueError(f"fp8 KV caches need head_dim in {FP8_HEAD_DIMS}, got {head_dim}")
+        if kv_dtype in _FP8_DTYPES:
+            check_fp8_kv(head_dim, _FP8_DTYPES[kv_dtype])
         _check_layout(kv_layout)
         if not isinstance(device, (str, int, torch.device)):
             raise TypeError(f"device must be a str, int or torch.device, got "
@@ -264,6 +265,9 @@ class PODAttention:
         self.dtype, self.kv_layout, self.device = dtype, kv_layout, device
         self.kv_dtype = kv_dtype
         self.fp8 = kv_dtype in _FP8_DTYPES
+        # run()'s one-pass check: cache element bytes, and the stride mask of 16-byte rows
+        self._kv_elem = 1 if self.fp8 else 2
+        self._kv_stride_mask = 16 // self._kv_elem - 1
         self._scales: dict = {}  # float scale -> its device tensor (fp8 caches)
         self.planner = Planner(num_qo_heads, num_kv_heads, head_dim, page_size, device=device,
                                max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
@@ -372,7 +376,7 @@ class PODAttention:
         _validate_run, in one pass: each tensor's shape, strides and address are read
         once; this runs once per layer)."""
         dt, kv_dt, dev, strided = self.dtype, self.kv_dtype, self.device, torch.strided
-        kv_mask, kv_size = (15, 1) if self.fp8 else (7, 2)
+        kv_mask, kv_size = self._kv_stride_mask, self._kv_elem
         try:
             spans = []
             for t in (q, k_cache, v_cache) if out is None else (q, k_cache, v_cache, out):
@@ -618,10 +622,9 @@ def one_shot_for(q, k_cache, v_cache, kv_layout: str, *, where: str = "",
     if ps not in SUPPORTED_PAGE_SIZES:
         raise ValueError(f"{where}page_size ({k_name}.shape[{page_dim}]) must be one of "
                          f"{SUPPORTED_PAGE_SIZES}, got {ps}")
-    # An fp8 cache selects fp8 variants; any other cache dtype is run()'s to refuse.
+    # An fp8 cache selects fp8 variants (PODAttention checks the head dim); any other
+    # cache dtype is run()'s to refuse.
     kv_dtype = k_cache.dtype if k_cache.dtype in _FP8_DTYPES else None
-    if kv_dtype is not None and D not in FP8_HEAD_DIMS:
-        raise ValueError(f"{where}fp8 KV caches need head_dim in {FP8_HEAD_DIMS}, got {D}")
     return one_shot_attention(Hq, Hkv, D, ps, q.dtype, kv_layout, q.device, kv_dtype)
 
 

@@ -79,22 +79,17 @@ def unsupported_arch_message(found: str) -> str:
             f"supported architectures: {', '.join(SUPPORTED_ARCHS)}; found {found}")
 
 
-def _cutlass_dtype(name: str):
-    import cutlass
-
-    return {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16,
-            "float8_e4m3fn": cutlass.Float8E4M3FN, "float8_e5m2": cutlass.Float8E5M2}[name]
-
-
 def _fake_args(key: VariantKey):
     """Fake tensors with symbolic sizes/strides: the compiled function's runtime signature."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
+    from podcute.kernels.pod_fwd_sm90 import DTYPES
+
     cfg = key.config
-    dtype = _cutlass_dtype(cfg.dtype)
-    kv_dtype = _cutlass_dtype(cfg.kv_dtype) if cfg.fp8 else dtype
+    dtype = DTYPES[cfg.dtype]
+    kv_dtype = DTYPES[cfg.kv_dtype] if cfg.fp8 else dtype
     d = cfg.head_dim
 
     def sym(div=1):

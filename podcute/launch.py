@@ -53,9 +53,9 @@ def launch(plan, q, k_cache, v_cache, out, lse, kv_layout: str = "NHD", sinks=No
     """Run the fused POD kernel for `plan` (one launch; split-KV groups merge in-kernel).
 
     `out` is [T, Hq, D] (q's dtype), `lse` is [T, Hq] float32 or None, `sinks` [Hq]
-    float32 or None, `k_scale`/`v_scale` (fp8 caches) float32 [1] or [Hkv]. Every metadata argument is a whole planner buffer
-    (`plan.kernel_args`), the same for every plan, so a captured launch replays with
-    whatever plan() wrote last.
+    float32 or None, `k_scale`/`v_scale` (fp8 caches) float32 [1] or [Hkv]. Every metadata
+    argument is a whole planner buffer (`plan.kernel_args`), the same for every plan, so a
+    captured launch replays with whatever plan() wrote last.
     Raises RuntimeError naming what is needed when no sm_90 GPU is available.
     """
     pod = _kernel(q.device, q.dtype, plan.config, plan.options, lse is not None,

@@ -316,16 +316,24 @@ RANDOM_FEATURE_SHAPES = dict(heads=[(8, 2), (32, 4)], head_dims=[96, 128, 256],
                              pages=[1, 16, 128])
 
 
-def feature_test_variants():
-    """KernelConfig.select keyword arguments of every variant the feature GPU tests run."""
+def _select_kwargs(c: dict) -> dict:
+    """KernelConfig.select keyword arguments of a GPU test case (its defaults merged in):
+    the checks return the LSE; an fp8 case names its cache type in "kv"."""
     from podcute.plan import PlanOptions
 
+    flags = PlanOptions.make(c["causal"], c["window_size"], c["softcap"]).kernel_flags()
+    kw = dict(dtype=str(c["dtype"]).replace("torch.", ""), head_dim=c["d"],
+              group=c["hq"] // c["hkv"], has_lse=True, page_size=c["page"],
+              has_sinks=bool(c["sinks"]), **flags)
+    if "kv" in c:
+        kw["kv_dtype"] = str(FP8_KV[c["kv"]]).replace("torch.", "")
+    return kw
+
+
+def feature_test_variants():
+    """KernelConfig.select keyword arguments of every variant the feature GPU tests run."""
     def variant(c):
-        c = dict(CHECK_DEFAULTS, **c)
-        flags = PlanOptions.make(c["causal"], c["window_size"], c["softcap"]).kernel_flags()
-        return dict(dtype=str(c["dtype"]).replace("torch.", ""), head_dim=c["d"],
-                    group=c["hq"] // c["hkv"], has_lse=True, page_size=c["page"],
-                    has_sinks=bool(c["sinks"]), **flags)
+        return _select_kwargs(dict(CHECK_DEFAULTS, **c))
 
     cases = list(FEATURE_CASES) + EXTRA_FEATURE_CASES
     for causal, presets in RANDOM_FEATURE_PRESETS.items():
@@ -372,22 +380,9 @@ FP8_RANDOM_SHAPES = dict(heads=[(8, 2), (32, 4)], head_dims=[64, 96, 128],
 
 def fp8_test_variants():
     """KernelConfig.select keyword arguments of every variant the fp8 GPU tests run."""
-    from podcute.plan import PlanOptions
-
-    def variant(c, kv):
-        c = dict(FP8_DEFAULTS, **c)
-        flags = PlanOptions.make(c["causal"], c["window_size"], c["softcap"]).kernel_flags()
-        return dict(dtype=str(c["dtype"]).replace("torch.", ""), head_dim=c["d"],
-                    group=c["hq"] // c["hkv"], has_lse=True, page_size=c["page"],
-                    has_sinks=bool(c["sinks"]), kv_dtype=str(FP8_KV[kv]).replace("torch.", ""),
-                    **flags)
-
-    out = [variant(c, c.get("kv", "e4m3")) for c in FP8_CASES + FP8_SPLIT_CASES]
-    for hq, hkv in FP8_RANDOM_SHAPES["heads"]:
-        for d in FP8_RANDOM_SHAPES["head_dims"]:
-            for page in FP8_RANDOM_SHAPES["pages"]:
-                for dtype in (torch.bfloat16, torch.float16):
-                    for causal in (True, False):
-                        out.append(variant(dict(hq=hq, hkv=hkv, d=d, page=page, dtype=dtype,
-                                                causal=causal), "e4m3"))
-    return out
+    cases = FP8_CASES + FP8_SPLIT_CASES + [
+        dict(hq=hq, hkv=hkv, d=d, page=page, dtype=dtype, causal=causal)
+        for hq, hkv in FP8_RANDOM_SHAPES["heads"] for d in FP8_RANDOM_SHAPES["head_dims"]
+        for page in FP8_RANDOM_SHAPES["pages"] for dtype in (torch.bfloat16, torch.float16)
+        for causal in (True, False)]
+    return [_select_kwargs(dict(FP8_DEFAULTS, **c)) for c in cases]

@@ -21,11 +21,20 @@ from podcute.reference import pod_attention_reference
 from podcute.testing import make_batch, quantize_kv_cache
 
 
-def check(attn, b, causal, name, **features):
+def check(attn, b, causal, name, fp8=None, **features):
+    """One run against the reference; `fp8`: (k_fp8, v_fp8, k_scale, v_scale) in place of
+    the batch's caches."""
     sinks = features.pop("sinks", None)
     out = torch.full_like(b.q, float("nan"))
-    out, lse = attn.run(b.q, b.k_cache, b.v_cache, out=out, return_lse=True, sinks=sinks)
-    ref = b.reference(causal=causal, sinks=sinks, **features)
+    if fp8 is None:
+        out, lse = attn.run(b.q, b.k_cache, b.v_cache, out=out, return_lse=True, sinks=sinks)
+        ref = b.reference(causal=causal, sinks=sinks, **features)
+    else:
+        k8, v8, ks, vs = fp8
+        out, lse = attn.run(b.q, k8, v8, out=out, return_lse=True, sinks=sinks, k_scale=ks,
+                            v_scale=vs)
+        ref = pod_attention_reference(b.q, k8, v8, causal=causal, sinks=sinks, k_scale=ks,
+                                      v_scale=vs, **features, **b.kwargs())
     torch.cuda.synchronize()
     rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
     ok = rel < 5e-3 and not out.isnan().any()
@@ -144,15 +153,7 @@ def main_fp8(small: bool) -> int:
         pages = (dict(block_table=b.block_table) if fmt == "table"
                  else dict(kv_indptr=b.kv_indptr, kv_indices=b.kv_indices))
         attn.plan(b.cu_seqlens_q, b.seqused_k, causal=causal, **pages)
-        out = torch.full_like(b.q, float("nan"))
-        attn.run(b.q, k8, v8, out=out, k_scale=ks, v_scale=vs)
-        ref = pod_attention_reference(b.q, k8, v8, causal=causal, k_scale=ks, v_scale=vs,
-                                      **b.kwargs())
-        torch.cuda.synchronize()
-        rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-        good = rel < 5e-3 and not out.isnan().any()
-        print(f"{name}: rel L2 {rel:.2e} {'ok' if good else 'FAIL'}", flush=True)
-        ok &= good
+        ok &= check(attn, b, causal, name, fp8=(k8, v8, ks, vs))
     return 0 if ok else 1
 
 

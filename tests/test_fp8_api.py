@@ -149,3 +149,11 @@ def test_one_shot_fp8_errors():
     with raises(ValueError, "head_dim", "fp8"):
         pod_attention(q, k, k, **kw)
     assert I32  # (shared fixtures)
+
+
+def test_flash_attn_compat_refuses_fp8_caches():
+    from podcute.compat.flash_attn import flash_attn_varlen_func
+    g = fp8_good()
+    with raises(NotImplementedError, "k.dtype", "PODAttention"):
+        flash_attn_varlen_func(g["q"], g["k"], g["v"], cu_seqlens_q=g["cu"], max_seqlen_q=20,
+                               seqused_k=g["kvl"], max_seqlen_k=40, block_table=g["bt"])

@@ -420,3 +420,10 @@ def test_markdown_header_records_command_and_options():
     assert "Command: `python -m perf.bench --window 128 --sinks`" in md
     assert "window_size=(128, 0)" in md and "sinks" in md and "anchors left out" in md
     assert B.short_options(o.active()) == "window 128, sinks"
+
+
+def test_bytes_moved_with_a_one_byte_cache():
+    # Q/O stay 2 bytes, K/V at 1 byte: the fp8 roofline of perf.bench_fp8.
+    w = W.M1
+    qo = 2 * w.total_q * w.num_qo_heads * w.head_dim
+    assert W.bytes_moved(w, kv_elem_bytes=1) == (W.bytes_moved(w) - 2 * qo) // 2 + 2 * qo

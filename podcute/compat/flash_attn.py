@@ -228,6 +228,9 @@ class _Call:
             pages = dict(kv_indptr=cu_seqlens_k, kv_indices=_token_pages(k.shape[0]))
             index_args = (cu_seqlens_q, cu_seqlens_k)
 
+        if k.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            _unsupported("k.dtype", k.dtype, "fp8 KV caches go through podcute.PODAttention("
+                         "kv_dtype=...) or podcute.pod_attention(k_scale=, v_scale=) for now")
         att, planner = one_shot_for(q, k_cache, v_cache, "NHD", where=_WHERE,
                                     names=("q", "k", "v"))
 

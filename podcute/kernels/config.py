@@ -20,6 +20,15 @@ SUPPORTED_DTYPES = ("bfloat16", "float16")
 FP8_KV_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 FP8_HEAD_DIMS = (64, 96, 128)
 
+
+def check_fp8_kv(head_dim: int, kv_dtype: str) -> None:
+    """ValueError naming what is wrong unless an fp8 cache of `kv_dtype` can serve
+    `head_dim` (KernelConfig.select and the API's constructor, before any device check)."""
+    if kv_dtype not in FP8_KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {FP8_KV_DTYPES}, got {kv_dtype!r}")
+    if head_dim not in FP8_HEAD_DIMS:
+        raise ValueError(f"fp8 KV caches need head_dim in {FP8_HEAD_DIMS}, got {head_dim}")
+
 # Model features a variant may carry, as named in a feature spec ("window+sinks"): the
 # KernelConfig flag of each.
 FEATURES = {"window": "window", "softcap": "softcap", "sinks": "has_sinks"}
@@ -315,10 +324,7 @@ class KernelConfig:
         bytes in flight) as fit, up to 8. setmaxnreg 72/216: the converters keep 3 chunks'
         loads in flight (they spill at 56); 64-token S and P fragments leave the MMA
         warpgroups room."""
-        if head_dim not in FP8_HEAD_DIMS:
-            raise ValueError(f"fp8 KV caches need head_dim in {FP8_HEAD_DIMS}, got {head_dim}")
-        if kv_dtype not in FP8_KV_DTYPES:
-            raise ValueError(f"kv_dtype must be one of {FP8_KV_DTYPES}, got {kv_dtype!r}")
+        check_fp8_kv(head_dim, kv_dtype)
         tile_n = 64
         kv_box = tile_n if page_size % tile_n == 0 else 16 if page_size % 16 == 0 else 0
         cfg = KernelConfig(

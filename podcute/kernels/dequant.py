@@ -24,12 +24,12 @@ from cutlass import Int32, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
-# (fp8 type, 16-bit type) -> (right shift that lines the fp8 exponent up with the 16-bit
-# one once the byte sits at bits 8-15 of a lane, the mask of the magnitude bits after it,
-# the packed power of two the shift divides by: 2^(bias16 - bias8); None for 1).
+# The bit-move formats: (fp8 type, 16-bit type) -> (right shift that lines the fp8
+# exponent up with the 16-bit one once the byte sits at bits 8-15 of a lane, the mask of
+# the magnitude bits after it, the packed power of two the shift divides by:
+# 2^(bias16 - bias8); None for 1). e4m3 -> fp16 is the hardware cvt instead.
 _FORMATS = {
     ("float8_e4m3fn", "bfloat16"): (4, 0x07F007F0, 0x7B807B80),  # x 2^120
-    ("float8_e4m3fn", "float16"): (1, 0x3F803F80, 0x5C005C00),  # x 2^8
     ("float8_e5m2", "bfloat16"): (3, 0x0FE00FE0, 0x77807780),  # x 2^112
     ("float8_e5m2", "float16"): (0, 0x7F007F00, None),  # e5m2 is fp16's high byte
 }
@@ -49,24 +49,21 @@ def _pair_to_16bit(word: Int32, selector: int, kv_dtype: str, dtype: str, *, loc
         half = "lo" if selector == _LOW_PAIR else "hi"
         asm = ("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, $1;\n"
                f"cvt.rn.f16x2.e4m3x2 $0, {half};\n}}")
-        return Int32(llvm.inline_asm(
-            Int32.mlir_type, [Int32(word).ir_value(loc=loc, ip=ip)], asm, "=r,r",
-            has_side_effects=False, is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
-    shift, mask, factor = _FORMATS[(kv_dtype, dtype)]
-    mul = "bf16x2" if dtype == "bfloat16" else "f16x2"
-    body = [f"prmt.b32 h, $1, 0, {selector:#x};"]
-    if shift:
-        body += [
-            "and.b32 s, h, 0x80008000;",
-            f"shr.b32 h, h, {shift};",
-            f"lop3.b32 h, h, {mask:#x}, s, 0xea;",  # (h & mask) | s
-        ]
-    if factor is None:
-        body += ["mov.b32 $0, h;"]
     else:
-        body += [f"mov.b32 f, {factor:#x};", f"mul.rn.{mul} $0, h, f;"]
-    asm = "{\n.reg .b32 h, s, f;\n" + "\n".join(body) + "\n}"
+        shift, mask, factor = _FORMATS[(kv_dtype, dtype)]
+        mul = "bf16x2" if dtype == "bfloat16" else "f16x2"
+        body = [f"prmt.b32 h, $1, 0, {selector:#x};"]
+        if shift:
+            body += [
+                "and.b32 s, h, 0x80008000;",
+                f"shr.b32 h, h, {shift};",
+                f"lop3.b32 h, h, {mask:#x}, s, 0xea;",  # (h & mask) | s
+            ]
+        if factor is None:
+            body += ["mov.b32 $0, h;"]
+        else:
+            body += [f"mov.b32 f, {factor:#x};", f"mul.rn.{mul} $0, h, f;"]
+        asm = "{\n.reg .b32 h, s, f;\n" + "\n".join(body) + "\n}"
     return Int32(llvm.inline_asm(
         Int32.mlir_type, [Int32(word).ir_value(loc=loc, ip=ip)], asm, "=r,r",
         has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
@@ -101,7 +98,7 @@ class Dequant:
         passes = -(-rows // rows_per_pass)
         k = self.tid % chunks
         r0 = self.tid // chunks
-        fp16 = cutlass.BFloat16 if const_expr(self.dtype == "bfloat16") else cutlass.Float16
+        out_type = cutlass.BFloat16 if const_expr(self.dtype == "bfloat16") else cutlass.Float16
         if self.tid < rows_per_pass * chunks:
             for j0 in cutlass.range_constexpr(0, passes, BATCH):
                 n = min(BATCH, passes - j0)
@@ -113,14 +110,14 @@ class Dequant:
                 for j in cutlass.range_constexpr(n):
                     r = r0 + (j0 + j) * rows_per_pass
                     if const_expr((j0 + j + 1) * rows_per_pass <= rows):
-                        self._store(words, j, s16, r, k, zero_from, fp16)
+                        self._store(words, j, s16, r, k, zero_from, out_type)
                     else:
                         if r < rows:
-                            self._store(words, j, s16, r, k, zero_from, fp16)
+                            self._store(words, j, s16, r, k, zero_from, out_type)
 
     @cute.jit
     def _store(self, words: cute.Tensor, j: cutlass.Constexpr[int], s16: cute.Tensor, r: Int32,
-               k: Int32, zero_from: Int32, fp16: cutlass.Constexpr):
+               k: Int32, zero_from: Int32, out_type: cutlass.Constexpr):
         """Convert pass j's 16 values (words[j, :]) and store them as chunk k of row r."""
         out = cute.make_rmem_tensor((1, 8), Int32)
         for i in cutlass.range_constexpr(4):
@@ -129,4 +126,5 @@ class Dequant:
                                                self.dtype)
         if r >= zero_from:
             out.fill(0)
-        cute.autovec_copy(cute.recast_tensor(out, fp16), cute.local_tile(s16, (1, 16), (r, k)))
+        cute.autovec_copy(cute.recast_tensor(out, out_type),
+                          cute.local_tile(s16, (1, 16), (r, k)))

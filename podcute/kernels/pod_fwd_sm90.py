@@ -58,8 +58,9 @@ from podcute.kernels.split_merge import finish_split
 from podcute.kernels.visibility import left_mask_until
 from podcute.kernels.work import WorkItem
 
-_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16,
-           "float8_e4m3fn": cutlass.Float8E4M3FN, "float8_e5m2": cutlass.Float8E5M2}
+# KernelConfig dtype names -> DSL types (compile.py's fake arguments use it too).
+DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16,
+          "float8_e4m3fn": cutlass.Float8E4M3FN, "float8_e5m2": cutlass.Float8E5M2}
 WG_ROWS = 64  # rows of one MMA warpgroup: one m64 wgmma
 
 
@@ -97,7 +98,7 @@ class PodAttentionSm90:
         if not ok:
             raise ValueError(f"PodAttentionSm90: {why}")
         self.cfg = cfg
-        self.dtype = _DTYPES[cfg.dtype]
+        self.dtype = DTYPES[cfg.dtype]
         self.head_dim = cfg.head_dim
         self.group = cfg.group
         self.causal = cfg.causal
@@ -105,7 +106,7 @@ class PodAttentionSm90:
         self.tma_kv = cfg.tma_kv
         # fp8 cache: the element type K/V arrive in (staged, then converted to self.dtype).
         self.fp8 = cfg.fp8
-        self.kv_dtype = _DTYPES[cfg.kv_dtype] if cfg.fp8 else self.dtype
+        self.kv_dtype = DTYPES[cfg.kv_dtype] if cfg.fp8 else self.dtype
         self.tile_m = cfg.tile_m_prefill  # rows of sQ: every MMA warpgroup's 64
         self.tile_n = cfg.tile_n
         self.num_stages = cfg.num_stages
@@ -436,7 +437,7 @@ class PodAttentionSm90:
                                     threads_per_row=4)
         kv_gather = None
         if const_expr(not self.tma_kv):
-            kv_gather = RowGather.create(self.kv_dtype, tile_n, d, self.kv_loaders, tidx)
+            kv_gather = RowGather.create(self.kv_dtype, tile_n, d, self.cfg.num_loaders, tidx)
         # Where the K/V copies land: the 16-bit stages, or the fp8 staging stages.
         sK_in, sV_in, pipe_k_in, pipe_v_in = sK, sV, pipeline_k, pipeline_v
         dequant = None
@@ -466,18 +467,13 @@ class PodAttentionSm90:
                                  kv_gather, sK_in, sV_in, sPages, pipe_k_in, pipe_v_in,
                                  kv_count, item, n_min, n_max)
                 if const_expr(self.fp8):
-                    if warp < self.kv_loaders // 32:  # loaders, then converters
+                    if warp < self.cfg.num_loaders // 32:  # loaders, then converters
                         gather()
                     else:
                         convert()
                 else:
                     gather()  # the whole warpgroup
             kv_count += n_max - n_min
-
-    @property
-    def kv_loaders(self) -> int:
-        """Threads of the cp.async K/V gather."""
-        return self.cfg.num_loaders
 
     @property
     def copy_stages(self) -> int:
@@ -611,7 +607,7 @@ class PodAttentionSm90:
             buf = (kv_count + n_block - n_min) % 2
             # This tile's lookups (every producer thread's) are in sPages[:, buf].
             cute.arch.barrier(barrier_id=NamedBarrier.PRODUCER,
-                              number_of_threads=self.kv_loaders)
+                              number_of_threads=self.cfg.num_loaders)
 
             def row_of(mKV):
                 def gmem_row(m, r):
@@ -641,7 +637,7 @@ class PodAttentionSm90:
         """Physical page of each row of KV tile n_block into sPages[:, buf], one row per
         producer thread (tokens clamped into the item's range, so no page-table entry
         past its pages is read)."""
-        for r in cutlass.range(tidx, self.tile_n, self.kv_loaders, unroll=1):
+        for r in cutlass.range(tidx, self.tile_n, self.cfg.num_loaders, unroll=1):
             token = layouts.clamp_token(n_block * self.tile_n, r, item.kv_end)
             sPages[r, buf], _ = layouts.kv_locate(mPageList, item.page_start, token,
                                                   page_divisor)
@@ -745,12 +741,12 @@ class PodAttentionSm90:
                     self.group, mIParams[IParam.WINDOW_LEFT], tile_n)
             softmax.reset()
             # An fp8 cache's k_scale multiplies every score of the item's KV head: it folds
-            # into the softmax's scale (exact up to one rounding: S is linear in K).
+            # into the softmax's scale (soft-capped scores: into the tanh's, score_tile).
             item_softmax = softmax
             if const_expr(self.fp8 and not self.cfg.softcap):
                 item_softmax = OnlineSoftmax(
                     softmax.row_max, softmax.row_sum,
-                    softmax.scale_log2 * self.kv_scale(mKScale, item.kv_head))
+                    self.k_scaled(softmax.scale_log2, mKScale, item.kv_head))
             acc_O.fill(0.0)
             q_state = stage(i - mCtaPtr[cute.arch.block_idx()[0]], 1)  # the item's Q use
             pipeline_q.consumer_wait(q_state)
@@ -786,8 +782,8 @@ class PodAttentionSm90:
                                     item.decode_index, tidx, wg)
             # sm_scale is re-read (an L1 hit) rather than held through the mainloop.
             logit_scale = mParams[self.logit_param]
-            if const_expr(self.fp8 and not self.cfg.softcap):
-                logit_scale = logit_scale * self.kv_scale(mKScale, item.kv_head)
+            if const_expr(not self.cfg.softcap):  # (soft-capped: the tanh took k_scale)
+                logit_scale = self.k_scaled(logit_scale, mKScale, item.kv_head)
             inv_sum, lse = softmax.finalize(logit_scale,
                                             self.row_sinks(mSinks, tOcO, item, row_offset))
             if const_expr(self.fp8):
@@ -917,10 +913,7 @@ class PodAttentionSm90:
         if const_expr(self.cfg.softcap):
             # (an L1 hit, not a register held through the mainloop; an fp8 cache's
             # k_scale goes inside the tanh with sm_scale)
-            cap_scale = mParams[Param.SOFTCAP_SCALE]
-            if const_expr(self.fp8):
-                cap_scale = cap_scale * self.kv_scale(mKScale, kv_head)
-            softcap_scores(acc_S, cap_scale)
+            softcap_scores(acc_S, self.k_scaled(mParams[Param.SOFTCAP_SCALE], mKScale, kv_head))
         needs_mask = n_block >= mask_from
         if const_expr(self.cfg.window):
             needs_mask = needs_mask | (n_block < mask_until)
@@ -973,6 +966,15 @@ class PodAttentionSm90:
         """An fp8 cache's dequantisation scale for `kv_head`: the tensor holds one per KV
         head or one for all (an L1 hit, re-read where it is used)."""
         return mScale[cutlass.min(kv_head, cute.size(mScale) - 1)]
+
+    @cute.jit
+    def k_scaled(self, scale: Float32, mKScale: Optional[cute.Tensor], kv_head: Int32):
+        """A factor applied to raw scores, times an fp8 cache's k_scale: raw scores are
+        Q K8^T, and S = (Q K8^T) k_scale is linear in it (exact up to one rounding). The
+        factor itself without an fp8 cache."""
+        if const_expr(self.fp8):
+            return scale * self.kv_scale(mKScale, kv_head)
+        return scale
 
     @cute.jit
     def fence_gathered_kv(self):
