@@ -48,16 +48,21 @@ def test_fp8_config_refusals():
 
 
 def test_setmaxnreg_split_must_fit_the_launch_registers():
-    # 48 + 2 x 232 = 512 > 3 x 168 launched: the MMA warpgroups' increase would wait forever.
+    # 48 + 2 x 232 = 512 > 3 x 168 launched (the split the first fp8 build had): the MMA
+    # warpgroups' increase would wait forever.
     import dataclasses
-    cfg = KernelConfig.select("bfloat16", 128, 4, page_size=16, kv_dtype="float8_e4m3fn")
+    cfg = KernelConfig.select("bfloat16", 128, 4, page_size=16)
     bad = dataclasses.replace(cfg, producer_regs=48, mma_regs=232)
     ok, why = bad.can_implement()
     assert not ok and "setmaxnreg" in why
     for page in (1, 16, 128):
-        for d in (64, 96, 128, 256):
-            c = KernelConfig.select("float16", d, 8, page_size=page)
-            assert c.producer_regs + 2 * c.mma_regs <= 3 * c.launch_regs()
+        for d, kv in ((64, ""), (96, ""), (128, ""), (256, ""), (64, "float8_e4m3fn"),
+                      (96, "float8_e5m2"), (128, "float8_e4m3fn")):
+            c = KernelConfig.select("float16", d, 8, page_size=page, kv_dtype=kv)
+            slots = c.num_producer_warpgroups + c.num_mma_warpgroups
+            assert (c.num_producer_warpgroups * c.producer_regs + 2 * c.mma_regs
+                    <= slots * c.launch_regs())
+            assert c.num_threads == 128 * slots
 
 
 def test_constructor_kv_dtype_errors():

@@ -110,19 +110,57 @@ class KernelConfig:
     def fp8(self) -> bool:
         return bool(self.kv_dtype)
 
+    # fp8: the converting warps form groups of 3 warps, group g converting the K/V tiles
+    # whose pipeline count is g mod the group count (the 16-bit stages of that parity),
+    # each group in its own order: one group for every tile made each MMA warpgroup wait
+    # on the other's stage releases.
+    CONVERTER_GROUP_THREADS = 3 * 32
+
+    @property
+    def converter_groups(self) -> int:
+        """Groups of converting warps (2 with fp8: one per 16-bit stage parity); 0
+        without fp8."""
+        return 2 if self.fp8 else 0
+
     @property
     def num_converters(self) -> int:
-        """Producer threads that dequantise fp8 tiles: warps 1-3 next to the TMA warp, or
-        warps 2-3 next to a 2-warp cp.async gather; 0 without fp8."""
-        if not self.fp8:
-            return 0
-        return 3 * 32 if self.tma_kv else 2 * 32
+        """Producer threads that dequantise fp8 tiles: two groups of 3 warps after the TMA
+        warp (warps 1-6; warp 7 loads Q) or after the 2-warp cp.async gather (warps 2-7);
+        0 without fp8."""
+        return self.converter_groups * self.CONVERTER_GROUP_THREADS
+
+    @property
+    def first_converter(self) -> int:
+        """Thread id of the first converting thread (after the copy warps)."""
+        return 32 if self.tma_kv else self.num_loaders
+
+    @property
+    def q_loaders(self) -> tuple[int, int]:
+        """(first warp, warps) of the producer warps that load Q: the first warpgroup, or
+        with fp8 TMA the warp past the converter groups (warp 7), so that no converter
+        waits for the Q stage of the next item."""
+        if self.fp8 and self.tma_kv:
+            return (self.first_converter + self.num_converters) // 32, 1
+        return 0, 4
+
+    @property
+    def num_producer_warpgroups(self) -> int:
+        """Producer warpgroups: an fp8 variant's converters need a second."""
+        return 2 if self.fp8 else 1
 
     @property
     def num_loaders(self) -> int:
-        """Producer threads of a cp.async K/V gather (the whole warpgroup, or warps 0-1
-        next to the converters of an fp8 cache)."""
-        return WARPGROUP_THREADS - self.num_converters if not self.tma_kv else 0
+        """Producer threads of a cp.async K/V gather (the first producer warpgroup, or its
+        warps 0-1 next to the converters of an fp8 cache); 0 with TMA."""
+        if self.tma_kv:
+            return 0
+        return 2 * 32 if self.fp8 else WARPGROUP_THREADS
+
+    @property
+    def num_producer_threads(self) -> int:
+        """Threads of the producer warpgroups (thread ids 0 .. this; the MMA warpgroups
+        follow)."""
+        return self.num_producer_warpgroups * WARPGROUP_THREADS
 
     @property
     def num_mma_threads(self) -> int:
@@ -130,7 +168,7 @@ class KernelConfig:
 
     @property
     def num_threads(self) -> int:
-        return self.num_mma_threads + WARPGROUP_THREADS  # + the producer warpgroup
+        return self.num_mma_threads + self.num_producer_threads
 
     @property
     def partial_rows(self) -> int:
@@ -214,15 +252,21 @@ class KernelConfig:
         for name, r in (("producer_regs", self.producer_regs), ("mma_regs", self.mma_regs)):
             if r % 8 or not 24 <= r <= 256:
                 return False, f"{name} {r}: setmaxnreg takes multiples of 8 in [24, 256]"
-        regs = WARPGROUP_THREADS * (self.producer_regs + self.num_mma_warpgroups * self.mma_regs)
-        if regs * self.ctas_per_sm > REGISTERS_PER_SM:
+        per_slot = (self.num_producer_warpgroups * self.producer_regs
+                    + self.num_mma_warpgroups * self.mma_regs)
+        if self.first_converter + self.num_converters > self.num_producer_threads:
+            return False, (f"{self.num_converters} converting threads after the copy warps "
+                           f"do not fit in {self.num_producer_warpgroups} producer warpgroups")
+        if WARPGROUP_THREADS * per_slot * self.ctas_per_sm > REGISTERS_PER_SM:
+            regs = WARPGROUP_THREADS * per_slot
             return False, f"{regs} registers x {self.ctas_per_sm} CTAs > {REGISTERS_PER_SM}"
         # setmaxnreg.inc draws only on what the CTA's own warps gave back with .dec: the
         # split must fit in the registers the CTA was launched with, or the MMA warpgroups'
         # increase waits forever (a hang, not an error).
-        launched = self.launch_regs() * (self.num_mma_warpgroups + 1)
-        if self.producer_regs + self.num_mma_warpgroups * self.mma_regs > launched:
-            return False, (f"setmaxnreg split {self.producer_regs} + {self.num_mma_warpgroups} x "
+        launched = self.launch_regs() * (self.num_mma_warpgroups + self.num_producer_warpgroups)
+        if per_slot > launched:
+            return False, (f"setmaxnreg split {self.num_producer_warpgroups} x "
+                           f"{self.producer_regs} + {self.num_mma_warpgroups} x "
                            f"{self.mma_regs} exceeds the {launched} registers a thread slot of "
                            f"each warpgroup was launched with ({self.launch_regs()} each)")
         # The launch cap (registers per thread at entry) must hold the larger role.
@@ -318,12 +362,16 @@ class KernelConfig:
     def _select_fp8(dtype, head_dim, group, causal, has_lse, page_size, arch, window,
                     softcap, has_sinks, kv_dtype) -> "KernelConfig":
         """An fp8 cache: 64-token tiles, because the fp8 staging stages need the shared
-        memory of 128-token 16-bit stages (D 128: Q 32 KB + 2 x 32 KB 16-bit K/V + 4 x
-        16 KB fp8 K/V + 34 KB scratch + 17 KB staging); 2 16-bit stages (the converters
-        refill one while the MMA warpgroups read the other) and as many fp8 stages (the
-        bytes in flight) as fit, up to 8. setmaxnreg 72/216: the converters keep 3 chunks'
-        loads in flight (they spill at 56); 64-token S and P fragments leave the MMA
-        warpgroups room."""
+        memory of 128-token 16-bit stages; 2 16-bit stages (the converters refill one while
+        the MMA warpgroups read the other) and as many fp8 stages (the bytes in flight) as
+        fit, up to 8 (D 128: Q 32 KB + 2 x 32 KB 16-bit K/V + 4 x 16 KB fp8 K/V + 34 KB
+        scratch + 17 KB staging; 6 fp8 stages, made room for by a 2-round decode combine and
+        unstaged O stores, measured no faster). Two producer warpgroups, for two converter
+        groups of 3 warps (`converter_groups`): the three spare warps of one warpgroup
+        converted ~7 (bf16) / 9 (fp16) values a clock per SM, where the HBM stream brings
+        ~18 (docs/performance.md). setmaxnreg 64 x 2 / 192 x 2 (512 threads launch with
+        128): the converters keep 3 chunks' loads in flight, and 64-token S and P fragments
+        leave the MMA warpgroups room at 192 (no spills)."""
         check_fp8_kv(head_dim, kv_dtype)
         tile_n = 64
         kv_box = tile_n if page_size % tile_n == 0 else 16 if page_size % 16 == 0 else 0
@@ -331,7 +379,7 @@ class KernelConfig:
             arch=arch, dtype=dtype, head_dim=head_dim, group=group, causal=bool(causal),
             has_lse=bool(has_lse), kv_box=kv_box, tile_m_prefill=128, tile_m_decode=64,
             tile_n=tile_n, num_stages=2, num_mma_warpgroups=2, ctas_per_sm=1,
-            producer_regs=72, mma_regs=216, window=bool(window), softcap=bool(softcap),
+            producer_regs=64, mma_regs=192, window=bool(window), softcap=bool(softcap),
             has_sinks=bool(has_sinks), kv_dtype=kv_dtype, fp8_stages=2,
         )
         while (cfg.fp8_stages + 2 <= 8 and dataclasses.replace(

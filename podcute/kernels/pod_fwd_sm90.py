@@ -270,10 +270,12 @@ class PodAttentionSm90:
         storage = smem.allocate(self.shared_storage)
 
         producers = pipeline.CooperativeGroup(pipeline.Agent.Thread, WARPGROUP_THREADS)
+        q_loaders = pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                              32 * self.cfg.q_loaders[1])
         consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads)
         pipeline_q = pipeline.PipelineCpAsync.create(
             barrier_storage=storage.mbar_q.data_ptr(), num_stages=1,
-            producer_group=producers, consumer_group=consumers, defer_sync=True,
+            producer_group=q_loaders, consumer_group=consumers, defer_sync=True,
         )
         pipeline_k = self._make_kv_pipeline(storage.mbar_k.data_ptr(), producers, consumers)
         pipeline_v = self._make_kv_pipeline(storage.mbar_v.data_ptr(), producers, consumers)
@@ -307,7 +309,7 @@ class PodAttentionSm90:
         # This CTA's item list is read after setmaxnreg: a value live across the register
         # reallocation goes through local memory (a spill).
         cta = cute.arch.block_idx()[0]
-        if warp_idx < 4:
+        if warp_idx < self.cfg.num_producer_threads // 32:
             cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
             self.produce(
                 mQ, mK, mV, mWork, mQStart, mKvLen, mPageStart, mPageList, page_shift,
@@ -341,12 +343,12 @@ class PodAttentionSm90:
 
     def _make_kv_pipeline(self, barriers, producers, consumers):
         if const_expr(self.fp8):
-            # The 16-bit stages: filled by the converting threads (each arrives after its
-            # stores and their proxy fence), read by every MMA thread.
+            # The 16-bit stages: each filled by one converter group (each thread arrives
+            # after its stores and their proxy fence), read by every MMA thread.
             return pipeline.PipelineAsync.create(
                 barrier_storage=barriers, num_stages=self.num_stages,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                         self.cfg.num_converters),
+                                                         self.cfg.CONVERTER_GROUP_THREADS),
                 consumer_group=consumers, defer_sync=True,
             )
         if const_expr(self.tma_kv):
@@ -368,7 +370,7 @@ class PodAttentionSm90:
     def _make_fp8_pipeline(self, barriers):
         """The fp8 staging stages: filled by TMA (one elected thread arms each with the
         tile's bytes) or by the cp.async loaders; released by the converting warps."""
-        converters = self.cfg.num_converters
+        converters = self.cfg.CONVERTER_GROUP_THREADS  # (each stage: one group's)
         if const_expr(self.tma_kv):
             return pipeline.PipelineTmaAsync.create(
                 barrier_storage=barriers, num_stages=self.cfg.fp8_stages,
@@ -424,35 +426,46 @@ class PodAttentionSm90:
         item_begin: Int32,
         item_end: Int32,
     ):
-        """Q of every item by the whole warpgroup; K/V tiles by TMA (warp 0) or a cp.async
-        gather. With an fp8 cache the copies land in the fp8 staging stages and the other
-        warps convert each tile into the 16-bit stage (`convert_kv`)."""
+        """Q of every item by the producer warps `cfg.q_loaders`; K/V tiles by TMA (warp 0)
+        or a cp.async gather. With an fp8 cache the copies land in the fp8 staging stages and
+        the other producer warps, a second warpgroup's included, convert each tile into
+        the 16-bit stage (`convert_kv`)."""
         tile_n, d = self.tile_n, self.head_dim
         tidx = cute.arch.thread_idx()[0]
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         page_divisor = layouts.PageShift(page_shift)
         # Q rows resolve their own addresses (4 threads a row: few rows per thread); K/V
         # rows read their pages from shared memory (8 threads a row: whole 128 B lines).
-        q_gather = RowGather.create(self.dtype, self.tile_m, d, WARPGROUP_THREADS, tidx,
-                                    threads_per_row=4)
+        first_q_warp, q_warps = self.cfg.q_loaders
+        q_gather = RowGather.create(self.dtype, self.tile_m, d, 32 * q_warps,
+                                    tidx - 32 * first_q_warp, threads_per_row=4,
+                                    rolled=q_warps == 1)
         kv_gather = None
         if const_expr(not self.tma_kv):
             kv_gather = RowGather.create(self.kv_dtype, tile_n, d, self.cfg.num_loaders, tidx)
         # Where the K/V copies land: the 16-bit stages, or the fp8 staging stages.
         sK_in, sV_in, pipe_k_in, pipe_v_in = sK, sV, pipeline_k, pipeline_v
-        dequant = None
+        dequant = group = None
         if const_expr(self.fp8):
             sK_in, sV_in, pipe_k_in, pipe_v_in = sK8, sV8, pipeline_k8, pipeline_v8
-            converters = self.cfg.num_converters
-            dequant = Dequant(tidx - (WARPGROUP_THREADS - converters), converters,
+            group_threads = self.cfg.CONVERTER_GROUP_THREADS
+            dequant = Dequant((tidx - self.cfg.first_converter) % group_threads, group_threads,
                               self.cfg.kv_dtype, self.cfg.dtype)
+            # This warp's converter group (converter_groups or more: an idle warp).
+            group = (warp - self.cfg.first_converter // 32) // (group_threads // 32)
         kv_count = Int32(0)  # K/V tiles produced so far
         for i in cutlass.range(item_begin, item_end, unroll=1):
             item = WorkItem.load(mWork, mQStart, mKvLen, mPageStart, i)
-            self.produce_q(mQ, sQ, q_gather, pipeline_q, item, i - item_begin)
+            load_q = partial(self.produce_q, mQ, sQ, q_gather, pipeline_q, item, i - item_begin)
+            if const_expr(self.cfg.num_producer_warpgroups == 1):
+                load_q()  # the whole warpgroup
+            else:
+                if warp >= first_q_warp and warp < first_q_warp + q_warps:
+                    load_q()
             n_min, n_max, _ = item.tile_bounds(item.row_start, self.group, self.causal, tile_n)
             convert = partial(self.convert_kv, dequant, sK8, sV8, sK, sV, pipeline_k8,
-                              pipeline_v8, pipeline_k, pipeline_v, kv_count, item, n_min, n_max)
+                              pipeline_v8, pipeline_k, pipeline_v, kv_count, item, n_min, n_max,
+                              group)
             if const_expr(self.tma_kv):
                 if warp == 0:  # one warp issues the boxes
                     self.produce_kv_tma(
@@ -461,7 +474,8 @@ class PodAttentionSm90:
                     )
                 else:
                     if const_expr(self.fp8):
-                        convert()
+                        if group < self.cfg.converter_groups:
+                            convert()
             else:
                 gather = partial(self.produce_kv_gather, mK, mV, mPageList, page_divisor,
                                  kv_gather, sK_in, sV_in, sPages, pipe_k_in, pipe_v_in,
@@ -483,13 +497,16 @@ class PodAttentionSm90:
     @cute.jit
     def convert_kv(self, dequant: Dequant, sK8: cute.Tensor, sV8: cute.Tensor, sK: cute.Tensor,
                    sV: cute.Tensor, pipeline_k8, pipeline_v8, pipeline_k, pipeline_v,
-                   kv_count: Int32, item: WorkItem, n_min: Int32, n_max: Int32):
-        """Dequantise each staged fp8 K and V tile of the item into a 16-bit stage (tile
-        n_min is the kv_count-th of both pipelines). V rows past the item's keys become
-        zeros, as zero_v_tail does for 16-bit TMA tiles."""
+                   kv_count: Int32, item: WorkItem, n_min: Int32, n_max: Int32, group: Int32):
+        """Dequantise the item's staged fp8 K and V tiles of this converter group (those
+        whose pipeline count is the group mod converter_groups; tile n_min is the
+        kv_count-th of every pipeline) into their 16-bit stages. V rows past the item's
+        keys become zeros, as zero_v_tail does for 16-bit TMA tiles."""
         sK8w = cute.recast_tensor(sK8, Int32)
         sV8w = cute.recast_tensor(sV8, Int32)
-        for n_block in cutlass.range(n_min, n_max, unroll=1):
+        groups = self.cfg.converter_groups
+        first = n_min + (group - kv_count % groups + groups) % groups
+        for n_block in cutlass.range(first, n_max, groups, unroll=1):
             count = kv_count + n_block - n_min
             s8 = stage(count, self.cfg.fp8_stages)
             s16 = stage(count, self.num_stages, producer=True)
@@ -544,17 +561,37 @@ class PodAttentionSm90:
         tVsV, tVgV = self._tma_tiles(tma_atom_v, mV, sV, item.kv_head)
         pieces = cute.size(tKsK, mode=[2])  # column blocks of a box row
         lane_box = cute.arch.lane_idx() % boxes
+        locate = partial(self._locate_box, mPageList, page_divisor, item, lane_box)
+        # fp8: each tile's page lookup is issued one tile ahead, before the waits of the
+        # tile before it (a 64-token fp8 tile leaves the global load's latency less room).
+        # (16-bit variants keep the in-place lookup their sanitizer runs vouch for.)
+        page, box_in_page = Int32(0), Int32(0)
+        if const_expr(self.fp8):
+            if n_min < n_max:
+                page, box_in_page = locate(n_min)
         for n_block in cutlass.range(n_min, n_max, unroll=1):
-            token = layouts.clamp_token(n_block * tile_n, lane_box * kv_box, item.kv_end)
-            page, slot = layouts.kv_locate(mPageList, item.page_start, token, page_divisor)
-            box_in_page = slot // kv_box
+            tile_page, tile_box = page, box_in_page
+            if const_expr(self.fp8):
+                page, box_in_page = locate(cutlass.min(n_block + 1, n_max - 1))  # the next's
+            else:
+                tile_page, tile_box = locate(n_block)
             kv_state = stage(kv_count + n_block - n_min, self.copy_stages, producer=True)
             pipeline_k.producer_acquire(kv_state)
-            self._copy_boxes(tma_atom_k, tKgK, tKsK, page, box_in_page, kv_state,
+            self._copy_boxes(tma_atom_k, tKgK, tKsK, tile_page, tile_box, kv_state,
                              pipeline_k.producer_get_barrier(kv_state), boxes, pieces)
             pipeline_v.producer_acquire(kv_state)
-            self._copy_boxes(tma_atom_v, tVgV, tVsV, page, box_in_page, kv_state,
+            self._copy_boxes(tma_atom_v, tVgV, tVsV, tile_page, tile_box, kv_state,
                              pipeline_v.producer_get_barrier(kv_state), boxes, pieces)
+
+    @cute.jit
+    def _locate_box(self, mPageList, page_divisor, item: WorkItem, lane_box: Int32,
+                    n_block: Int32):
+        """(page, box within the page) of this lane's box of KV tile n_block (tokens past
+        kv_end clamp to the item's last one)."""
+        token = layouts.clamp_token(n_block * self.tile_n, lane_box * self.cfg.kv_box,
+                                    item.kv_end)
+        page, slot = layouts.kv_locate(mPageList, item.page_start, token, page_divisor)
+        return page, slot // self.cfg.kv_box
 
     @cute.jit
     def _copy_boxes(self, tma_atom, tXgX, tXsX, page: Int32, box_in_page: Int32, kv_state,
@@ -679,7 +716,8 @@ class PodAttentionSm90:
         mCtaPtr: cute.Tensor,
     ):
         tile_n, d = self.tile_n, self.head_dim
-        mma_tidx = cute.arch.thread_idx()[0] - WARPGROUP_THREADS  # 0 .. num_mma_threads
+        # 0 .. num_mma_threads (the producer warpgroups come first)
+        mma_tidx = cute.arch.thread_idx()[0] - self.cfg.num_producer_threads
         wg = cute.arch.make_warp_uniform(mma_tidx // WARPGROUP_THREADS)
         tidx = mma_tidx % WARPGROUP_THREADS
         thr_mma_qk = tiled_mma_qk.get_slice(tidx)
@@ -1105,7 +1143,8 @@ class PodAttentionSm90:
             gO = layouts.packed_rows(mO, item.q_start, item.q_len, item.kv_head, self.group)
             # (the warpgroup index again from the warp: a register held since the kernel's
             # start would be spilled)
-            wg_u = cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4 - 1
+            wg_u = (cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4
+                    - self.cfg.num_producer_warpgroups)
             if const_expr(self.cfg.o_staging):
                 store_rows(acc_O, thr_mma_pv, sStage, gO, row_base, n_valid,
                            Int32(NamedBarrier.WARPGROUP) + wg_u)
