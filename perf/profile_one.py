@@ -3,16 +3,19 @@
     ncu --clock-control none -k regex:kernel_cutlass --launch-skip 3 --launch-count 1 \\
         --section SpeedOfLight ... python -m perf.profile_one F1 128
 
-(perf.workloads names; page size). Prints the plan and the median of the runs.
+(perf.workloads names; page size). Prints the plan and the median of the runs. With
+PODCUTE_PROFILE_KV=float8_e4m3fn (or float8_e5m2) the cache is the per-head fp8
+quantisation of the same one (podcute.testing.quantize_kv_cache).
 """
 
+import os
 import sys
 
 import torch
 
 from perf import workloads as W
 from podcute import PODAttention
-from podcute.testing import make_batch
+from podcute.testing import make_batch, quantize_kv_cache
 
 
 def main(name: str, page: int, runs: int = 5) -> int:
@@ -20,15 +23,22 @@ def main(name: str, page: int, runs: int = 5) -> int:
     b = make_batch(w.q_lens, w.kv_lens, num_qo_heads=w.num_qo_heads,
                    num_kv_heads=w.num_kv_heads, head_dim=w.head_dim, page_size=page,
                    device="cuda", pool_factor=1.1, garbage=0.0)
+    k, v, scales, kv_dtype = b.k_cache, b.v_cache, {}, None
+    if os.environ.get("PODCUTE_PROFILE_KV"):
+        kv_dtype = getattr(torch, os.environ["PODCUTE_PROFILE_KV"])
+        k, k_scale = quantize_kv_cache(k, dtype=kv_dtype)
+        v, v_scale = quantize_kv_cache(v, dtype=kv_dtype)
+        scales = dict(k_scale=k_scale, v_scale=v_scale)
     attn = PODAttention(w.num_qo_heads, w.num_kv_heads, w.head_dim, page, device="cuda",
-                        max_batch_size=w.batch_size, max_num_tokens=w.total_q)
+                        max_batch_size=w.batch_size, max_num_tokens=w.total_q,
+                        kv_dtype=kv_dtype)
     print(attn.plan(b.cu_seqlens_q, b.seqused_k, block_table=b.block_table, causal=w.causal))
     out = torch.empty_like(b.q)
     times = []
     for _ in range(runs):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        attn.run(b.q, b.k_cache, b.v_cache, out=out)
+        attn.run(b.q, k, v, out=out, **scales)
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
