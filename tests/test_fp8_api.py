@@ -162,3 +162,28 @@ def test_flash_attn_compat_refuses_fp8_caches():
     with raises(NotImplementedError, "k.dtype", "PODAttention"):
         flash_attn_varlen_func(g["q"], g["k"], g["v"], cu_seqlens_q=g["cu"], max_seqlen_q=20,
                                seqused_k=g["kvl"], max_seqlen_k=40, block_table=g["bt"])
+
+
+def test_producer_roles_of_fp8_variants_are_disjoint():
+    # The copy warp(s), the two converter groups and the Q warps of every fp8 variant fit
+    # in its producer warpgroups without sharing a warp (Q's loaders may be the gather's
+    # warpgroup, whose cp.async loaders and first converters also load Q), and each
+    # converter group owns the 16-bit stages of one parity.
+    for page in (1, 8, 16, 64, 128):
+        for d, kv in ((64, "float8_e4m3fn"), (96, "float8_e5m2"), (128, "float8_e4m3fn")):
+            c = KernelConfig.select("bfloat16", d, 4, page_size=page, kv_dtype=kv)
+            ok, why = c.can_implement()
+            assert ok, why
+            copy_warps = set(range(c.first_converter // 32))
+            first, w = c.first_converter // 32, c.CONVERTER_GROUP_THREADS // 32
+            groups = [set(range(first + w * g, first + w * (g + 1)))
+                      for g in range(c.converter_groups)]
+            first_q, q_warps = c.q_loaders
+            q = set(range(first_q, first_q + q_warps))
+            producer_warps = set(range(c.num_producer_threads // 32))
+            assert copy_warps | set().union(*groups) | q <= producer_warps
+            assert not groups[0] & groups[1] and not copy_warps & set().union(*groups)
+            if c.tma_kv:  # one TMA warp, and Q by a warp of its own
+                assert copy_warps == {0} and not q & (copy_warps | set().union(*groups))
+            assert c.num_stages % c.converter_groups == 0
+            assert c.num_converters == c.converter_groups * c.CONVERTER_GROUP_THREADS
