@@ -457,8 +457,8 @@ class PodAttentionSm90:
         for i in cutlass.range(item_begin, item_end, unroll=1):
             item = WorkItem.load(mWork, mQStart, mKvLen, mPageStart, i)
             load_q = partial(self.produce_q, mQ, sQ, q_gather, pipeline_q, item, i - item_begin)
-            if const_expr(self.cfg.num_producer_warpgroups == 1):
-                load_q()  # the whole warpgroup
+            if const_expr(q_warps == self.cfg.num_producer_threads // 32):
+                load_q()  # every producer warp
             else:
                 if warp >= first_q_warp and warp < first_q_warp + q_warps:
                     load_q()
@@ -565,14 +565,14 @@ class PodAttentionSm90:
         # fp8: each tile's page lookup is issued one tile ahead, before the waits of the
         # tile before it (a 64-token fp8 tile leaves the global load's latency less room).
         # (16-bit variants keep the in-place lookup their sanitizer runs vouch for.)
-        page, box_in_page = Int32(0), Int32(0)
+        next_page, next_box = Int32(0), Int32(0)  # (fp8: the lookup one tile ahead)
         if const_expr(self.fp8):
             if n_min < n_max:
-                page, box_in_page = locate(n_min)
+                next_page, next_box = locate(n_min)
         for n_block in cutlass.range(n_min, n_max, unroll=1):
-            tile_page, tile_box = page, box_in_page
             if const_expr(self.fp8):
-                page, box_in_page = locate(cutlass.min(n_block + 1, n_max - 1))  # the next's
+                tile_page, tile_box = next_page, next_box
+                next_page, next_box = locate(cutlass.min(n_block + 1, n_max - 1))
             else:
                 tile_page, tile_box = locate(n_block)
             kv_state = stage(kv_count + n_block - n_min, self.copy_stages, producer=True)
