@@ -4,6 +4,7 @@
 #   bash perf/gpu_check.sh STEP...      STEP: demo warm kernel features graph compat serving memcheck
 #                                             racecheck synccheck quick-bench bench host
 #                                             warm-fp8 fp8 fp8-bench fp8-memcheck
+#                                             warm-portable portable (PODCUTE_ARCH=sm_90)
 #                                             fp8-racecheck fp8-synccheck
 #                                             ncu-W-PAGE
 #                                             (ncu of workload W at page PAGE, e.g. ncu-F1-16)
@@ -58,6 +59,12 @@ for s in "$@"; do
     demo) step demo 120 python -m podcute demo || break ;;
     warm) step warm 300 python -m perf.warm_cache -j "$(nproc)" ;;  # compile here instead
     warm-fp8) step warm-fp8 300 python -m perf.warm_cache --only fp8 -j "$(nproc)" ;;
+    # the portable (mma.sync) kernel compiled for plain sm_90, forced by PODCUTE_ARCH
+    warm-portable) step warm-portable 300 env PODCUTE_ARCH=sm_90 \
+        python -m perf.warm_cache --only 16bit -j "$(nproc)" ;;
+    portable) step portable 500 env PODCUTE_ARCH=sm_90 \
+        PODCUTE_GPU_REPORT="$OUT/portable_report.json" \
+        python -m pytest -q -x -m gpu tests/test_kernel_gpu.py ;;
     fp8) step fp8 420 env PODCUTE_GPU_REPORT="$OUT/fp8_report.json" \
         python -m pytest -q -x -m gpu tests/test_fp8_gpu.py ;;
     fp8-bench) step fp8-bench 500 python -m perf.bench_fp8 --out "$OUT/fp8" \

@@ -46,27 +46,38 @@ def main(argv=None) -> int:
     p.add_argument("-j", type=int, default=2, help="parallel compiler processes")
     p.add_argument("--only", choices=("all", "fp8", "16bit"), default="all",
                    help="fp8: only the fp8-cache test variants; 16bit: all but those")
+    p.add_argument("--arch", default=os.environ.get("PODCUTE_ARCH") or "sm_90a",
+                   help="target (default $PODCUTE_ARCH or sm_90a; sm_90: the portable "
+                        "kernel's variants, those it has)")
     args = p.parse_args(argv)
-    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    os.environ.setdefault("CUTE_DSL_ARCH", args.arch)
     from podcute.compile import VariantKey, compile_many
-    from podcute.kernels.config import KernelConfig
+    from podcute.kernels.config import KernelConfig, WARP_MMA_ARCHS
+
+    def select(*a, **kw):  # None where the arch's kernel lacks the variant (D 256, fp8)
+        try:
+            return KernelConfig.select(*a, arch=args.arch, **kw)
+        except ValueError:
+            if args.arch in WARP_MMA_ARCHS:
+                return None
+            raise
 
     from podcute.testing import feature_test_variants, fp8_test_variants
 
-    keys = []
+    cfgs = []
     if args.only != "fp8":
-        keys += [VariantKey.make(KernelConfig.select(*v)) for v in VARIANTS]
-        keys += [VariantKey.make(KernelConfig.select(**kw)) for kw in feature_test_variants()]
+        cfgs += [select(*v) for v in VARIANTS]
+        cfgs += [select(**kw) for kw in feature_test_variants()]
         # tests/gpu_sanitize.py's feature cases
-        keys += [VariantKey.make(KernelConfig.select("bfloat16", 128, g, True, True, page, **f))
+        cfgs += [select("bfloat16", 128, g, True, True, page, **f)
                  for g, page, f in ((4, 16, dict(window=True, softcap=True, has_sinks=True)),
                                     (4, 8, dict(window=True, has_sinks=True)),
                                     (8, 128, dict(window=True, softcap=True)))]
     if args.only != "16bit":  # tests/test_fp8_gpu.py, gpu_sanitize.py --fp8, perf.bench_fp8
-        keys += [VariantKey.make(KernelConfig.select(**kw)) for kw in fp8_test_variants()]
-        keys += [VariantKey.make(KernelConfig.select(
-            "bfloat16", 128, 4, True, False, page, kv_dtype=kv))
-            for page in (16, 128) for kv in ("", "float8_e4m3fn")]
+        cfgs += [select(**kw) for kw in fp8_test_variants()]
+        cfgs += [select("bfloat16", 128, 4, True, False, page, kv_dtype=kv)
+                 for page in (16, 128) for kv in ("", "float8_e4m3fn")]
+    keys = [VariantKey.make(c) for c in cfgs if c is not None]
     keys = list(dict.fromkeys(keys))
     print(f"{len(keys)} distinct variants", flush=True)
     for key, secs, _ in compile_many(keys, args.j):

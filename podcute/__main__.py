@@ -123,9 +123,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m podcute", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=["demo", "bench", "compile"])
-    parser.add_argument("--arch", default="sm_90a", help="compile: target architecture")
+    parser.add_argument("--arch", default="sm_90a",
+                        help="compile: target architecture (sm_90a, sm_80, sm_86, sm_89, "
+                             "sm_90: the portable kernel on Hopper, sm_120a)")
     parser.add_argument("--check", action="store_true",
-                        help="compile: verify wgmma and setmaxnreg in the generated PTX")
+                        help="compile: verify wgmma and setmaxnreg (sm_90a) or mma.sync "
+                             "and ldmatrix (the other architectures) in the generated PTX")
     parser.add_argument("--jobs", type=int, default=None,
                         help="compile: parallel compiler processes (default: CPU count)")
     parser.add_argument("--features", default=None,
@@ -133,7 +136,7 @@ def main(argv=None) -> int:
                              "shipped variants, each 'none' or names joined by '+' "
                              "(window, softcap, sinks), e.g. 'window+sinks,softcap'")
     parser.add_argument("--head-dims", default=None,
-                        help="compile: comma-separated head dims (default: all supported)")
+                        help="compile: comma-separated head dims (default: all the arch's)")
     parser.add_argument("--groups", default=None,
                         help="compile: comma-separated GQA groups (default: 1,4,7,8)")
     parser.add_argument("--kv-dtypes", default=None,

@@ -17,7 +17,7 @@ import torch
 from podcute.compile import unsupported_arch_message
 from podcute.kernels.config import (FP8_KV_DTYPES, SUPPORTED_HEAD_DIMS, SUPPORTED_PAGE_SIZES,
                                     check_fp8_kv)
-from podcute.launch import launch, require_sm90
+from podcute.launch import launch, require_arch, resolve_arch
 from podcute.plan import CapacityError, Plan, Planner, PlanSummary
 from podcute.reuse import CallPlanner
 
@@ -222,7 +222,8 @@ class PODAttention:
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  dtype: torch.dtype = torch.bfloat16, kv_layout: str = "NHD",
                  device="cuda", max_batch_size: int = 256, max_num_tokens: int = 16384,
-                 max_num_pages: int | None = None, kv_dtype: torch.dtype | None = None):
+                 max_num_pages: int | None = None, kv_dtype: torch.dtype | None = None,
+                 arch: str | None = None):
         _check_int("num_qo_heads", num_qo_heads)
         _check_int("num_kv_heads", num_kv_heads)
         if num_qo_heads % num_kv_heads:
@@ -260,6 +261,9 @@ class PODAttention:
         if device.type == "cuda" and device.index is None:
             # An explicit index makes run()'s device checks one equality test.
             device = torch.device("cuda", torch.cuda.current_device())
+        # The kernel's architecture: `arch` or $PODCUTE_ARCH (e.g. "sm_90": the portable
+        # kernel on Hopper), else the device's own (sm_90a for a host-only planner).
+        self.arch = resolve_arch(device, arch)
         self.num_qo_heads, self.num_kv_heads = num_qo_heads, num_kv_heads
         self.head_dim, self.page_size = head_dim, page_size
         self.dtype, self.kv_layout, self.device = dtype, kv_layout, device
@@ -273,7 +277,7 @@ class PODAttention:
                                max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
                                max_num_pages=max_num_pages,
                                dtype=str(dtype).replace("torch.", ""),
-                               kv_dtype=_FP8_DTYPES.get(kv_dtype, ""))
+                               kv_dtype=_FP8_DTYPES.get(kv_dtype, ""), arch=self.arch)
         self._plan: Plan | None = None
         self._page_arg = "block_table"
         self._cache_tail = ((page_size, num_kv_heads, head_dim) if kv_layout == "NHD"
@@ -507,7 +511,7 @@ class PODAttention:
             raise ValueError("k_scale and v_scale are for fp8 KV caches only (this "
                              f"PODAttention's caches are {self.kv_dtype})")
         # Only now the device: never fall back to the reference silently.
-        require_sm90(q.device)
+        require_arch(q.device, self.arch)
         if not self.planner.frozen and torch.cuda.is_current_stream_capturing():
             self.planner.freeze()  # the graph holds the buffers' addresses from now on
         if out is None:

@@ -19,7 +19,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from podcute.kernels.config import FP8_HEAD_DIMS, SUPPORTED_ARCHS, KernelConfig, feature_flags
+from podcute.kernels.config import (FP8_HEAD_DIMS, SUPPORTED_ARCHS, WARP_MMA_ARCHS, KernelConfig,
+                                    arch_head_dims, feature_flags)
 from podcute.kernels.metadata import MERGE_COLS, NUM_PARAMS, WORK_COLS
 
 
@@ -73,10 +74,16 @@ class VariantKey:
 _FINGERPRINT = _source_fingerprint()
 
 
+ARCH_NAMES = {"sm_90a": "Hopper: H100/H200", "sm_80": "A100/A30", "sm_86": "A10/A40/RTX 30",
+              "sm_89": "L4/L40S/RTX 40", "sm_120a": "RTX 50/RTX PRO 6000 Blackwell",
+              "sm_90": "the portable kernel on Hopper, by option"}
+
+
 def unsupported_arch_message(found: str) -> str:
     """The one message for hardware podcute cannot run on (compile CLI, VariantKey, run())."""
-    return ("podcute needs an NVIDIA Hopper GPU (sm_90a: H100/H200) to run the kernel; "
-            f"supported architectures: {', '.join(SUPPORTED_ARCHS)}; found {found}")
+    listed = ", ".join(f"{a} ({ARCH_NAMES[a]})" for a in SUPPORTED_ARCHS)
+    return (f"podcute needs an NVIDIA GPU it has a kernel for; supported architectures: "
+            f"{listed}; found {found}")
 
 
 def _fake_args(key: VariantKey):
@@ -85,7 +92,7 @@ def _fake_args(key: VariantKey):
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
-    from podcute.kernels.pod_fwd_sm90 import DTYPES
+    from podcute.kernels.dtypes import DTYPES
 
     cfg = key.config
     dtype = DTYPES[cfg.dtype]
@@ -191,7 +198,7 @@ def _export_entry(path: Path, pod) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def shipped_variants(arch: str = "sm_90a", head_dims=(64, 96, 128, 256), groups=(1, 4, 7, 8),
+def shipped_variants(arch: str = "sm_90a", head_dims=None, groups=(1, 4, 7, 8),
                      features=("",), kv_dtypes=("",)):
     """The variants `python -m podcute compile` builds ahead of time (and CI compiles).
 
@@ -199,11 +206,18 @@ def shipped_variants(arch: str = "sm_90a", head_dims=(64, 96, 128, 256), groups=
     heads, say) compiles on first use (~3 s on an H200), as does every variant with a
     model feature (window, softcap, sinks) unless `features` asks for it
     (`python -m podcute compile --features window+sinks,softcap`). Page sizes 128, 16 and
-    1 stand for the three page classes (whole-tile TMA boxes, 16-slot TMA boxes, cp.async
-    gather). fp8 KV caches (`kv_dtypes`, e.g. ("float8_e4m3fn",)) compile on first use
-    too unless asked for; they have no head_dim 256 variant, which such a list skips.
+    1 stand for the three page classes of sm_90a (whole-tile TMA boxes, 16-slot TMA boxes,
+    cp.async gather); the warp-level kernel of the other architectures gathers every page
+    size, so it has one. fp8 KV caches (`kv_dtypes`, e.g. ("float8_e4m3fn",)) compile on
+    first use too unless asked for; they have no head_dim 256 variant, which such a list
+    skips, and only sm_90a has them. `head_dims` defaults to the arch's own
+    (config.arch_head_dims); other head dims in the list are skipped.
     """
-    return [
+    own = arch_head_dims(arch)
+    head_dims = own if head_dims is None else head_dims
+    if arch in WARP_MMA_ARCHS and any(kv_dtypes):
+        raise ValueError(f"fp8 KV caches need the sm_90a kernel; {arch} has none")
+    keys = [
         VariantKey.make(KernelConfig.select(dtype, head_dim, group, causal, has_lse,
                                             page_size, arch=arch, kv_dtype=kv,
                                             **feature_flags(spec)))
@@ -212,11 +226,12 @@ def shipped_variants(arch: str = "sm_90a", head_dims=(64, 96, 128, 256), groups=
         for page_size in (128, 16, 1)
         for dtype in ("bfloat16", "float16")
         for head_dim in head_dims
-        if not kv or head_dim in FP8_HEAD_DIMS
+        if head_dim in own and (not kv or head_dim in FP8_HEAD_DIMS)
         for group in groups
         for causal in (True, False)
         for has_lse in (True, False)
     ]
+    return list(dict.fromkeys(keys))  # (one page class: the same key three times)
 
 
 def compile_variant(key: VariantKey, keep_ptx: bool = False):
@@ -267,17 +282,26 @@ def _compile(key: VariantKey, keep_ptx: bool):
             f.write(f"{os.getpid()} {time.time():.3f} {_entry_name(key)}\n")
     import cutlass.cute as cute
 
-    from podcute.kernels.pod_fwd_sm90 import PodAttentionSm90
     pod_args = _fake_args(key)
-    options = "--enable-tvm-ffi"
+    # The target comes with each compile (one process may build several architectures).
+    options = f"--enable-tvm-ffi --gpu-arch {key.arch}"
     if keep_ptx:  # kept in memory (__ptx__); the dump itself goes to a scratch folder
         # One folder per process: the dumps of every variant share a file name, and
         # parallel compiles (compile_many) would read each other's half-written files.
         scratch = Path(tempfile.gettempdir()) / "podcute-ptx" / str(os.getpid())
         scratch.mkdir(parents=True, exist_ok=True)
         options += f" --keep-ptx --keep-cubin --dump-dir {scratch}"
-    pod = cute.compile(PodAttentionSm90(key.config), *pod_args, options=options)
+    pod = cute.compile(kernel_class(key.config)(key.config), *pod_args, options=options)
     return pod
+
+
+def kernel_class(config: KernelConfig):
+    """The kernel that serves `config`: the warp-level kernel or the sm_90a one."""
+    if config.warp_mma:
+        from podcute.kernels.pod_fwd_sm80 import PodAttentionSm80
+        return PodAttentionSm80
+    from podcute.kernels.pod_fwd_sm90 import PodAttentionSm90
+    return PodAttentionSm90
 
 
 def _compile_one(key: VariantKey, check: bool):
@@ -287,8 +311,13 @@ def _compile_one(key: VariantKey, check: bool):
     counts = None
     if check:
         ptx = pod.__ptx__ or ""
-        counts = {op: ptx.count(op) for op in ("wgmma.mma_async", "setmaxnreg")}
+        counts = {op: ptx.count(op) for op in CHECKED_OPS[key.config.warp_mma]}
     return time.perf_counter() - t0, counts
+
+
+# compile --check: the instructions each kernel's PTX must hold (the DSL would fall back
+# silently): wgmma and setmaxnreg for sm_90a, mma.sync fed by ldmatrix for the others.
+CHECKED_OPS = {False: ("wgmma.mma_async", "setmaxnreg"), True: ("mma.sync", "ldmatrix")}
 
 
 def compile_many(keys, jobs: int = 1, check: bool = False):
@@ -310,9 +339,10 @@ def compile_all(arch: str, check: bool = False, out=None, jobs: int | None = Non
     """`python -m podcute compile`: build every shipped variant (or `variants`); return
     an exit code.
 
-    Works without a GPU (cross-compilation for `arch`), in `jobs` processes (default: the
-    CPU count). With `check`, also verifies the generated PTX uses wgmma and setmaxnreg
-    (the compiler falls back silently otherwise).
+    Works without a GPU (cross-compilation for `arch`, into the arch's own cache folder),
+    in `jobs` processes (default: the CPU count). With `check`, also verifies the
+    generated PTX uses wgmma and setmaxnreg (sm_90a) or mma.sync and ldmatrix (the
+    warp-level kernel): the compiler falls back silently otherwise.
     """
     import sys
 
@@ -327,7 +357,7 @@ def compile_all(arch: str, check: bool = False, out=None, jobs: int | None = Non
     for i, (key, secs, counts) in enumerate(compile_many(variants, jobs, check), 1):
         note = ""
         if counts is not None:
-            note = f" wgmma={counts['wgmma.mma_async']} setmaxnreg={counts['setmaxnreg']}"
+            note = "".join(f" {op.split('.')[0]}={n}" for op, n in counts.items())
             if not all(counts.values()):
                 failures.append(key)
         bar = "#" * (30 * i // len(variants))

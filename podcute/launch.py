@@ -1,30 +1,85 @@
 """Glue between a Plan and the compiled kernel: pick the variant, launch it."""
 
 import functools
+import os
 
 import torch
 
 from podcute.compile import VariantKey, compile_variant, unsupported_arch_message
+from podcute.kernels.config import SUPPORTED_ARCHS
+
+
+# Compute capability -> the architecture podcute builds for it (a cubin for sm_XY runs on
+# sm_XZ, Z >= Y; the "a" targets only on their own chip).
+ARCH_OF_CAPABILITY = {(8, 0): "sm_80", (8, 6): "sm_86", (8, 7): "sm_86", (8, 9): "sm_89",
+                      (9, 0): "sm_90a", (12, 0): "sm_120a"}
+
+
+# Architectures chosen by default on their own GPUs: those whose kernel has passed the GPU
+# test sweep. The warp-level kernel compiles for the others but has not run on a GPU yet
+# (docs/gpu-runs.md); it runs only where asked for (arch= or PODCUTE_ARCH).
+DEFAULT_ARCHS = ("sm_90a",)
+
+
+def runs_on(arch: str, capability: tuple[int, int]) -> bool:
+    """Whether a kernel compiled for `arch` runs on a GPU of `capability`."""
+    digits = arch[3:].rstrip("a")
+    major, minor = int(digits[:-1]), int(digits[-1])
+    if arch.endswith("a"):
+        return capability == (major, minor)
+    return capability[0] == major and capability[1] >= minor
+
+
+def requested_arch(arch: str | None) -> str | None:
+    """The architecture asked for: `arch`, else $PODCUTE_ARCH (forces a kernel, e.g. sm_90:
+    the portable kernel on Hopper), else None (the device's own). ValueError if unknown."""
+    arch = arch if arch is not None else (os.environ.get("PODCUTE_ARCH") or None)
+    if arch is not None and arch not in SUPPORTED_ARCHS:
+        raise ValueError(f"arch must be one of {SUPPORTED_ARCHS} (or None: the device's "
+                         f"own), got {arch!r}")
+    return arch
+
+
+def resolve_arch(device: torch.device, arch: str | None = None) -> str:
+    """The architecture whose kernel serves `device`: the requested one (which must run
+    there) or the device's own; sm_90a for a host-only (CPU) planner. RuntimeError naming
+    the supported architectures for a GPU podcute has no kernel for."""
+    arch = requested_arch(arch)
+    if device.type != "cuda":
+        return arch or "sm_90a"
+    cap = torch.cuda.get_device_capability(device)
+    if arch is None:
+        arch = ARCH_OF_CAPABILITY.get(cap)
+        if arch is not None and arch not in DEFAULT_ARCHS:
+            raise RuntimeError(
+                f"podcute's {arch} kernel (the warp-level one) compiles but has not yet been "
+                f"validated on a GPU; run it anyway with PODAttention(..., arch={arch!r}) "
+                f"or PODCUTE_ARCH={arch} (found {torch.cuda.get_device_name(device)})")
+    if arch is None or not runs_on(arch, cap):
+        raise RuntimeError(unsupported_arch_message(
+            f"{torch.cuda.get_device_name(device)} (sm_{cap[0]}{cap[1]})"
+            + (f" for arch {arch}" if arch else "")))
+    return arch
 
 
 @functools.lru_cache(maxsize=None)
-def _hopper_problem(device: torch.device) -> str | None:
-    """None if `device` can run the kernel, else what was found instead (cached)."""
+def _device_problem(device: torch.device, arch: str) -> str | None:
+    """None if `device` can run `arch`'s kernel, else what was found instead (cached)."""
     if device.type != "cuda":
         cuda = ("no CUDA device" if not torch.cuda.is_available()
                 else f"{torch.cuda.device_count()} CUDA device(s)")
         return f"tensors on {device} ({cuda} on this machine)"
     if not torch.cuda.is_available():
         return "no CUDA device"
-    major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) != (9, 0):
-        return f"{torch.cuda.get_device_name(device)} (sm_{major}{minor})"
+    cap = torch.cuda.get_device_capability(device)
+    if not runs_on(arch, cap):
+        return f"{torch.cuda.get_device_name(device)} (sm_{cap[0]}{cap[1]}) for a {arch} plan"
     return None
 
 
-def require_sm90(device: torch.device) -> None:
-    """Raise a RuntimeError naming what is needed unless `device` is a Hopper GPU."""
-    problem = _hopper_problem(device)
+def require_arch(device: torch.device, arch: str = "sm_90a") -> None:
+    """Raise a RuntimeError naming what is needed unless `device` runs `arch`'s kernel."""
+    problem = _device_problem(device, arch)
     if problem is not None:
         raise RuntimeError(unsupported_arch_message(problem))
 
@@ -40,7 +95,7 @@ def _kernel(device, dtype, plan_config, options, has_lse: bool, has_sinks: bool)
     facts = (device, dtype, id(plan_config), options.variant, has_lse, has_sinks)
     hit = _variants.get(facts)
     if hit is None or hit[0] is not plan_config:
-        require_sm90(device)
+        require_arch(device, plan_config.kernel.arch)
         cfg = plan_config.kernel.with_flags(has_lse=has_lse, has_sinks=has_sinks,
                                             **options.kernel_flags())
         hit = (plan_config, compile_variant(VariantKey.make(cfg)))
@@ -56,7 +111,7 @@ def launch(plan, q, k_cache, v_cache, out, lse, kv_layout: str = "NHD", sinks=No
     float32 or None, `k_scale`/`v_scale` (fp8 caches) float32 [1] or [Hkv]. Every metadata
     argument is a whole planner buffer (`plan.kernel_args`), the same for every plan, so a
     captured launch replays with whatever plan() wrote last.
-    Raises RuntimeError naming what is needed when no sm_90 GPU is available.
+    Raises RuntimeError naming what is needed when the device cannot run the plan's kernel.
     """
     pod = _kernel(q.device, q.dtype, plan.config, plan.options, lse is not None,
                   sinks is not None)

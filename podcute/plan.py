@@ -543,7 +543,7 @@ class Planner:
                  device="cuda", max_batch_size: int = 256, max_num_tokens: int = 16384,
                  max_num_pages: int | None = None, num_sms: int | None = None,
                  cost_model: CostModel = DEFAULT_COST_MODEL, dtype: str = "bfloat16",
-                 kv_dtype: str = ""):
+                 kv_dtype: str = "", arch: str = "sm_90a"):
         if max_num_pages is None:
             max_num_pages = 1 << 20
         for name, v in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
@@ -558,7 +558,7 @@ class Planner:
             raise ValueError(f"page_size must be one of {SUPPORTED_PAGE_SIZES}, got {page_size}")
         G = num_qo_heads // num_kv_heads
         kernel = KernelConfig.select(dtype, head_dim, G, page_size=page_size,  # names head_dim
-                                     kv_dtype=kv_dtype)
+                                     kv_dtype=kv_dtype, arch=arch)
         self.device = torch.device(device)
         if num_sms is None:
             num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count

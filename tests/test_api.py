@@ -304,7 +304,8 @@ def test_run_without_hopper_raises_clearly(layout, monkeypatch):
 
     monkeypatch.setattr(ref, "pod_attention_reference", boom)
     a, g = planned(layout)
-    with raises(RuntimeError, "podcute needs an NVIDIA Hopper GPU (sm_90a: H100/H200)", "found"):
+    with raises(RuntimeError, "podcute needs an NVIDIA GPU it has a kernel for",
+                "sm_90a (Hopper: H100/H200)", "sm_80 (A100/A30)", "found"):
         a.run(g["q"], g["k"], g["v"])
     with raises(RuntimeError, "Hopper"):
         a.run(g["q"], g["k"], g["v"], out=torch.empty_like(g["q"]), return_lse=True)
@@ -420,3 +421,58 @@ def test_run_fast_path_never_passes_a_bad_call():
         assert valid or not fast, (q.shape, q.stride(), k.shape, None if out is None else
                                    (out.shape, out.stride()))
     assert checked == 400 and passed > 20
+
+
+# ---- architectures ---------------------------------------------------------------------------
+
+
+def test_arch_option_selects_the_kernel_family():
+    """arch= (or PODCUTE_ARCH) picks the kernel the plan is made for: the warp-level
+    kernel's 64-row items and its 2 CTAs an SM, or sm_90a's 128-row items on one."""
+    from podcute.kernels.config import SUPPORTED_ARCHS, WARP_MMA_ARCHS
+
+    hopper = PODAttention(HQ, HKV, D, PS, device="cpu")
+    assert hopper.arch == "sm_90a" and hopper.planner.config.kernel.tile_m_prefill == 128
+    for arch in WARP_MMA_ARCHS:
+        a = PODAttention(HQ, HKV, D, PS, device="cpu", arch=arch)
+        k = a.planner.config.kernel
+        assert a.arch == arch and k.warp_mma and k.arch == arch
+        assert (k.tile_m_prefill, k.tile_m_decode, k.num_threads, k.ctas_per_sm) == (64, 64, 128, 2)
+        assert a.planner.grid == 2 * a.planner.num_sms
+    with raises(ValueError, "arch must be one of", *SUPPORTED_ARCHS):
+        PODAttention(HQ, HKV, D, PS, device="cpu", arch="sm_100a")
+    with raises(ValueError, "head_dim 256 has no kernel on sm_80"):
+        PODAttention(HQ, HKV, 256, PS, device="cpu", arch="sm_80")
+    with raises(ValueError, "fp8 KV caches need the sm_90a kernel"):
+        PODAttention(HQ, HKV, D, PS, device="cpu", arch="sm_86", kv_dtype=torch.float8_e4m3fn)
+
+
+def test_arch_from_the_environment(monkeypatch):
+    monkeypatch.setenv("PODCUTE_ARCH", "sm_90")
+    assert PODAttention(HQ, HKV, D, PS, device="cpu").arch == "sm_90"
+    assert PODAttention(HQ, HKV, D, PS, device="cpu", arch="sm_90a").arch == "sm_90a"
+    monkeypatch.setenv("PODCUTE_ARCH", "hopper")
+    with raises(ValueError, "arch must be one of", "'hopper'"):
+        PODAttention(HQ, HKV, D, PS, device="cpu")
+
+
+def test_arch_compatibility_rule():
+    from podcute.launch import ARCH_OF_CAPABILITY, runs_on
+
+    assert runs_on("sm_90a", (9, 0)) and runs_on("sm_90", (9, 0))
+    assert runs_on("sm_80", (8, 6)) and runs_on("sm_86", (8, 9)) and runs_on("sm_80", (8, 0))
+    assert not runs_on("sm_86", (8, 0)) and not runs_on("sm_80", (9, 0))
+    assert not runs_on("sm_90a", (10, 0)) and not runs_on("sm_120a", (12, 1))
+    for cap, arch in ARCH_OF_CAPABILITY.items():
+        assert runs_on(arch, cap)
+
+
+@needs_no_hopper
+def test_run_of_a_portable_plan_without_its_gpu_raises_clearly():
+    a = PODAttention(HQ, HKV, D, PS, device="cpu", arch="sm_80")
+    a.plan(torch.tensor([0, 3], dtype=torch.int32), torch.tensor([40], dtype=torch.int32),
+           block_table=torch.arange(3, dtype=torch.int32)[None])
+    q = torch.randn(3, HQ, D, dtype=torch.bfloat16)
+    k = torch.randn(3, PS, HKV, D, dtype=torch.bfloat16)
+    with raises(RuntimeError, "podcute needs an NVIDIA GPU it has a kernel for", "found"):
+        a.run(q, k, k.clone())

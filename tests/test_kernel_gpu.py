@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from podcute import PODAttention
+from podcute.kernels.config import arch_head_dims
+from podcute.launch import requested_arch
 from podcute.reference import pod_attention_reference
 from podcute.testing import (CHECK_DEFAULTS, EXTRA_FEATURE_CASES, FEATURE_CASES, NUM_SPLIT_CASES,
                              RANDOM_FEATURE_PRESETS, RANDOM_FEATURE_SHAPES, make_batch,
@@ -26,6 +28,9 @@ HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] =
 if not HAS_SM90:
     pytest.skip("needs an sm_90 GPU", allow_module_level=True)
 
+# PODCUTE_ARCH=sm_90 runs the sweep on the portable (mma.sync) kernel; head dims it lacks
+# are skipped.
+ARCH = requested_arch(None) or "sm_90a"
 TOL = {torch.bfloat16: 5e-3, torch.float16: 2e-3}
 LSE_TOL = 1e-3
 NUM_RANDOM = int(os.environ.get("PODCUTE_GPU_RANDOM", "200"))
@@ -58,6 +63,8 @@ def check(name, q_lens, kv_lens, *, hq=_D["hq"], hkv=_D["hkv"], d=_D["d"], page=
           strided_q=False, seed=0, pad_rows=0, window_size=_D["window_size"],
           softcap=_D["softcap"], sinks=_D["sinks"], batch_invariant=False):
     """One batch against the reference; `sinks` True draws random per-head sink logits."""
+    if d not in arch_head_dims(ARCH):
+        pytest.skip(f"head_dim {d}: no {ARCH} kernel")
     b = make_batch(q_lens, kv_lens, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d,
                    page_size=page, dtype=dtype, device="cuda", kv_layout=layout,
                    page_format=fmt, interleaved=interleaved, strided_q=strided_q, seed=seed)
@@ -271,7 +278,8 @@ def test_batch_invariant_bitwise(page):
                             max_num_tokens=32768)
         if trial % 3 == 2:  # another SM count: another grid
             attn.planner = Planner(hq, hkv, d, page, device="cuda", max_batch_size=64,
-                                   max_num_tokens=32768, num_sms=rng.choice([7, 61, 100]))
+                                   max_num_tokens=32768, num_sms=rng.choice([7, 61, 100]),
+                                   arch=attn.arch)
         attn.plan(cu, kvl, block_table=table, window_size=(4096, 0), batch_invariant=True)
         out = torch.full_like(q, float("nan"))
         out, lse = attn.run(q, k_cache, v_cache, out=out, return_lse=True, sinks=sinks)

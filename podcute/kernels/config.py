@@ -12,7 +12,19 @@ from dataclasses import dataclass
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 256)
 SUPPORTED_PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # powers of two: the kernel takes log2
-SUPPORTED_ARCHS = ("sm_90a",)
+# sm_90a: the Hopper kernel (wgmma, TMA, setmaxnreg; pod_fwd_sm90.py). The others: the
+# warp-level mma.sync kernel (pod_fwd_sm80.py) for Ampere, Ada and consumer Blackwell,
+# and plain sm_90, the same instructions on Hopper (the portable kernel, forced by
+# option: PODAttention(arch="sm_90") or PODCUTE_ARCH=sm_90).
+SUPPORTED_ARCHS = ("sm_90a", "sm_80", "sm_86", "sm_89", "sm_90", "sm_120a")
+WARP_MMA_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_120a")
+# Shared memory per SM and the most one CTA may opt into (bytes), per architecture.
+ARCH_SMEM = {"sm_80": (164 * 1024, 163 * 1024), "sm_86": (100 * 1024, 99 * 1024),
+             "sm_89": (100 * 1024, 99 * 1024), "sm_90": (228 * 1024, 227 * 1024),
+             "sm_90a": (228 * 1024, 227 * 1024), "sm_120a": (100 * 1024, 99 * 1024)}
+# Head dims of the warp-level kernel (its O accumulator of 64 x D over 128 threads: D 256
+# would take 128 registers a thread for O alone).
+WARP_HEAD_DIMS = (64, 96, 128)
 SUPPORTED_DTYPES = ("bfloat16", "float16")
 # KV cache element types besides q's own: fp8 caches are dequantised in shared memory to
 # q's dtype (kv_dtype "" means the cache is in q's dtype). D 256 has no fp8 variant: its
@@ -28,6 +40,11 @@ def check_fp8_kv(head_dim: int, kv_dtype: str) -> None:
         raise ValueError(f"kv_dtype must be one of {FP8_KV_DTYPES}, got {kv_dtype!r}")
     if head_dim not in FP8_HEAD_DIMS:
         raise ValueError(f"fp8 KV caches need head_dim in {FP8_HEAD_DIMS}, got {head_dim}")
+
+def arch_head_dims(arch: str) -> tuple:
+    """The head dims `arch`'s kernel serves."""
+    return WARP_HEAD_DIMS if arch in WARP_MMA_ARCHS else SUPPORTED_HEAD_DIMS
+
 
 # Model features a variant may carry, as named in a feature spec ("window+sinks"): the
 # KernelConfig flag of each.
@@ -144,8 +161,17 @@ class KernelConfig:
         return 0, 4
 
     @property
+    def warp_mma(self) -> bool:
+        """The warp-level (mma.sync) kernel: no producer warpgroup, every warp copies and
+        computes; else the sm_90a kernel."""
+        return self.arch in WARP_MMA_ARCHS
+
+    @property
     def num_producer_warpgroups(self) -> int:
-        """Producer warpgroups: an fp8 variant's converters need a second."""
+        """Producer warpgroups: an fp8 variant's converters need a second; the warp-level
+        kernel has none."""
+        if self.warp_mma:
+            return 0
         return 2 if self.fp8 else 1
 
     @property
@@ -203,6 +229,8 @@ class KernelConfig:
         + warpgroup 1's O staging + the gather's page lookups + barriers and alignment
         (the kernel's SharedStorage)."""
         e, d = self.elem_bytes, self.head_dim
+        if self.warp_mma:  # Q, K and V tiles and the merge flag
+            return (self.tile_m_prefill + 2 * self.num_stages * self.tile_n) * d * e + 1024
         q = self.tile_m_prefill * d * e
         kv = 2 * self.num_stages * self.tile_n * d * e
         scratch = max(4 * self.combine_floats, self.staging_bytes())
@@ -214,6 +242,8 @@ class KernelConfig:
         """(True, "") if this configuration is buildable, else (False, why)."""
         if self.arch not in SUPPORTED_ARCHS:
             return False, f"arch {self.arch} (supported: {', '.join(SUPPORTED_ARCHS)})"
+        if self.warp_mma:
+            return self._can_implement_warp()
         if self.dtype not in SUPPORTED_DTYPES:
             return False, f"dtype {self.dtype} (supported: {SUPPORTED_DTYPES})"
         if self.head_dim not in SUPPORTED_HEAD_DIMS:
@@ -274,6 +304,32 @@ class KernelConfig:
             return False, "the launch register cap is below the producer's"
         return True, ""
 
+    def _can_implement_warp(self) -> tuple[bool, str]:
+        """can_implement of the warp-level kernel: 4 warps of 16 rows over 64-token K/V
+        tiles, one shared-memory buffer each for Q, K and V (FlashAttention-2's order:
+        V loads under S, the next K under P V), page rows gathered by cp.async."""
+        if self.dtype not in SUPPORTED_DTYPES:
+            return False, f"dtype {self.dtype} (supported: {SUPPORTED_DTYPES})"
+        if self.fp8:
+            return False, f"fp8 KV caches need the sm_90a kernel (arch {self.arch})"
+        if self.head_dim not in WARP_HEAD_DIMS:
+            return False, (f"head_dim {self.head_dim} on {self.arch} (the warp-level kernel "
+                           f"serves {WARP_HEAD_DIMS})")
+        if self.group < 1:
+            return False, f"group {self.group} must be >= 1"
+        if (self.tile_m_prefill, self.tile_m_decode, self.tile_n) != (64, 64, 64):
+            return False, "the warp-level kernel runs 64-row items over 64-token tiles"
+        if (self.kv_box, self.num_stages, self.num_mma_warpgroups) != (0, 1, 1):
+            return False, "the warp-level kernel gathers K/V rows into one stage, 4 warps"
+        per_sm, per_cta = ARCH_SMEM[self.arch]
+        if self.smem_bytes() > per_cta or self.smem_bytes() * self.ctas_per_sm > per_sm:
+            return False, (f"{self.smem_bytes()} B of shared memory x {self.ctas_per_sm} CTAs "
+                           f"on {self.arch} ({per_sm} B an SM, {per_cta} B a CTA)")
+        if not 1 <= self.ctas_per_sm <= 2:
+            # 128 threads x the ~200 registers the fragments of D 128 take: 2 CTAs an SM.
+            return False, f"ctas_per_sm {self.ctas_per_sm} (1 or 2)"
+        return True, ""
+
     def launch_regs(self) -> int:
         """Registers per thread at kernel entry (the launch cap setmaxnreg needs)."""
         return REGISTERS_PER_SM // (self.ctas_per_sm * self.num_threads) // 8 * 8
@@ -308,6 +364,11 @@ class KernelConfig:
         `kv_dtype`: "" for a cache in q's dtype, else its fp8 type (FP8_KV_DTYPES)."""
         if head_dim not in SUPPORTED_HEAD_DIMS:
             raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+        if arch not in SUPPORTED_ARCHS:
+            raise ValueError(f"arch must be one of {SUPPORTED_ARCHS}, got {arch!r}")
+        if arch in WARP_MMA_ARCHS:
+            return KernelConfig._select_warp(dtype, head_dim, group, causal, has_lse, arch,
+                                             window, softcap, has_sinks, kv_dtype)
         if kv_dtype:
             return KernelConfig._select_fp8(dtype, head_dim, group, causal, has_lse, page_size,
                                             arch, window, softcap, has_sinks, kv_dtype)
@@ -386,3 +447,26 @@ class KernelConfig:
                 cfg, fp8_stages=cfg.fp8_stages + 2).smem_bytes() <= SMEM_BYTES_PER_SM):
             cfg = dataclasses.replace(cfg, fp8_stages=cfg.fp8_stages + 2)
         return cfg._checked()
+
+    @staticmethod
+    def _select_warp(dtype, head_dim, group, causal, has_lse, arch, window, softcap,
+                     has_sinks, kv_dtype) -> "KernelConfig":
+        """The warp-level kernel (every page size: its K/V rows are gathered): 64-row items
+        (4 warps x 16) over 64-token tiles, and as many CTAs an SM (up to 2) as shared
+        memory holds (D 128: 48 KB a CTA; 2 on every listed architecture)."""
+        if kv_dtype:
+            raise ValueError(f"fp8 KV caches need the sm_90a kernel; {arch} has none "
+                             f"(kv_dtype {kv_dtype!r})")
+        if head_dim not in WARP_HEAD_DIMS:
+            raise ValueError(f"head_dim {head_dim} has no kernel on {arch} (the warp-level "
+                             f"kernel serves {WARP_HEAD_DIMS})")
+        cfg = KernelConfig(
+            arch=arch, dtype=dtype, head_dim=head_dim, group=group, causal=bool(causal),
+            has_lse=bool(has_lse), kv_box=0, tile_m_prefill=64, tile_m_decode=64, tile_n=64,
+            num_stages=1, num_mma_warpgroups=1, ctas_per_sm=1, producer_regs=0, mma_regs=0,
+            window=bool(window), softcap=bool(softcap), has_sinks=bool(has_sinks),
+            o_staging=False,
+        )
+        per_sm, _ = ARCH_SMEM[arch]
+        return dataclasses.replace(
+            cfg, ctas_per_sm=max(1, min(2, per_sm // cfg.smem_bytes())))._checked()

@@ -47,20 +47,19 @@ from podcute import layouts
 from podcute.kernels.barriers import NamedBarrier
 from podcute.kernels.config import WARPGROUP_THREADS, KernelConfig
 from podcute.kernels.dequant import Dequant
+from podcute.kernels.dtypes import DTYPES
 from podcute.kernels.epilogue import (staging_tile, store_fragments, store_lse, store_partial,
                                       store_rows)
 from podcute.kernels.gather import RowGather
 from podcute.kernels.mask import apply_mask
 from podcute.kernels.metadata import IParam, Param
+from podcute.kernels.pod_kernel import PodKernelBase
 from podcute.kernels.mma_utils import acc_as_operand_a_layout, rows_cols_view, warpgroup_gemm
 from podcute.kernels.softmax import LOG2_E, OnlineSoftmax, rescale_rows, softcap_scores
 from podcute.kernels.split_merge import finish_split
 from podcute.kernels.visibility import left_mask_until
 from podcute.kernels.work import WorkItem
 
-# KernelConfig dtype names -> DSL types (compile.py's fake arguments use it too).
-DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16,
-          "float8_e4m3fn": cutlass.Float8E4M3FN, "float8_e5m2": cutlass.Float8E5M2}
 WG_ROWS = 64  # rows of one MMA warpgroup: one m64 wgmma
 
 
@@ -92,7 +91,7 @@ def tile_smem_layout(dtype, rows: int, cols: int, stages: Optional[int] = None,
     return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
 
 
-class PodAttentionSm90:
+class PodAttentionSm90(PodKernelBase):
     def __init__(self, cfg: KernelConfig):
         ok, why = cfg.can_implement()
         if not ok:
@@ -958,17 +957,6 @@ class PodAttentionSm90:
         if needs_mask:
             mask_tile(acc_S, col_start=n_block * self.tile_n)
 
-    def window_right(self, mIParams: cute.Tensor):
-        """The right limit's offset from the query position (0: causal)."""
-        if const_expr(self.cfg.window):
-            return mIParams[IParam.WINDOW_RIGHT]
-        return 0
-
-    @property
-    def logit_param(self) -> int:
-        """The parameter that turns a raw score into its logit (metadata.Param)."""
-        return Param.SOFTCAP if self.cfg.softcap else Param.SM_SCALE
-
     @cute.jit
     def mask_tile(self, acc_S: cute.Tensor, tScS: cute.Tensor, mWork: cute.Tensor,
                   mQStart: cute.Tensor, mKvLen: cute.Tensor, mPageStart: cute.Tensor,
@@ -982,22 +970,6 @@ class PodAttentionSm90:
         apply_mask(acc_S, tScS, item.row_start + row_offset, col_start, item.kv_end,
                    item.kv_len - item.q_len, self.group, self.causal,
                    self.window_right(mIParams), left, self.cfg.window)
-
-    @cute.jit
-    def row_sinks(self, mSinks: Optional[cute.Tensor], tOcO: cute.Tensor, item: WorkItem,
-                  row_offset: Int32):
-        """The sink logit of each of this thread's rows (their query heads'), -inf for a
-        split piece (the merge adds the sink once); None without sinks."""
-        if const_expr(mSinks is None):
-            return None
-        tOcO_mn = rows_cols_view(tOcO)
-        sink = cute.make_rmem_tensor(cute.size(tOcO_mn, mode=[0]), Float32)
-        for r in cutlass.range_constexpr(cute.size(tOcO_mn, mode=[0])):
-            sink[r] = mSinks[layouts.packed_head(item.row_start + row_offset + tOcO_mn[r, 0][0],
-                                                 item.kv_head, self.group)]
-            if item.split_slot >= 0:
-                sink[r] = -Float32.inf
-        return sink
 
     @cute.jit
     def kv_scale(self, mScale: cute.Tensor, kv_head: Int32) -> Float32:

@@ -1,0 +1,60 @@
+"""Every shipped variant of the warp-level (mma.sync) kernel compiles, on a CPU-only
+machine, for each architecture it serves (sm_80, sm_86, sm_89, plain sm_90, sm_120a), with
+mma.sync fed by ldmatrix in its PTX, no wgmma, and no register spills reported by ptxas;
+so do the variants with every model feature on (they compile on first use)."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from podcute.compile import cache_dir, shipped_variants
+from podcute.kernels.config import WARP_MMA_ARCHS
+
+pytestmark = pytest.mark.compile
+
+FEATURES = "window+softcap+sinks"
+
+
+def _compile(arch: str, *args) -> subprocess.CompletedProcess:
+    env = dict(os.environ, CUTE_DSL_COMPILER_OPT="remarks{ptx}")
+    return subprocess.run(
+        [sys.executable, "-m", "podcute", "compile", "--arch", arch, "--check", *args],
+        capture_output=True, text=True, env=env, timeout=1800)
+
+
+@pytest.mark.parametrize("arch", WARP_MMA_ARCHS)
+def test_portable_variants_compile_without_spills(arch):
+    for args, want in (((), shipped_variants(arch)),
+                       (("--features", FEATURES, "--groups", "4"),
+                        shipped_variants(arch, groups=(4,), features=(FEATURES,)))):
+        log = _compile(arch, *args)
+        assert log.returncode == 0, log.stdout[-3000:] + log.stderr[-3000:]
+        lines = [l for l in log.stdout.splitlines() if l.startswith("[")]
+        assert len(lines) == len(want), log.stdout[-2000:]
+        for line in lines:
+            assert re.search(r" mma=[1-9]", line) and re.search(r"ldmatrix=[1-9]", line), line
+        text = log.stdout + log.stderr
+        assert f"for {arch} in" in log.stdout
+        # ptxas compiled each kernel for this target, none with a spill.
+        targets = re.findall(r"Compiling entry function '[^']*' for '(\w+)'", text)
+        assert len(targets) >= len(want) and set(targets) == {arch}, set(targets)
+        spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", text)]
+        assert len(spills) >= len(want) and max(spills) == 0, [
+            l for l in text.splitlines() if "spill stores" in l and " 0 bytes" not in l]
+    # The arch's own cache folder holds its kernels.
+    assert len(list(cache_dir(arch).glob("*.o"))) >= len(shipped_variants(arch))
+
+
+def test_fp8_and_head_dim_256_are_sm90a_only():
+    from podcute.kernels.config import KernelConfig
+
+    for arch in WARP_MMA_ARCHS:
+        with pytest.raises(ValueError, match="fp8 KV caches need the sm_90a kernel"):
+            KernelConfig.select("bfloat16", 128, 4, arch=arch, kv_dtype="float8_e4m3fn")
+        with pytest.raises(ValueError, match="head_dim 256 has no kernel"):
+            KernelConfig.select("bfloat16", 256, 4, arch=arch)
+        with pytest.raises(ValueError, match="fp8"):
+            shipped_variants(arch, kv_dtypes=("float8_e4m3fn",))
