@@ -44,11 +44,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field, fields
-from functools import cache, cached_property
+from functools import cached_property
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from podcute import plan_native
 from podcute.kernels.config import SUPPORTED_PAGE_SIZES, KernelConfig
 from podcute.kernels.metadata import (KIND_BITS, MERGE_COLS, NUM_PARAMS, WORK_COLS, IParam,
                                       Kind, MergeCol, Param, WorkCol)
@@ -77,6 +79,21 @@ def _align(n: int) -> int:
 def _rows(a: np.ndarray) -> np.ndarray:
     """1-D view of an [n, WORK_COLS] int32 array with one element per row."""
     return a.view(_ROW).reshape(-1)
+
+
+class _once:
+    """A zero-argument function's value, computed on its first call (functools.cache
+    without the cost of building a wrapper per plan)."""
+
+    __slots__ = ("_fn", "_value")
+
+    def __init__(self, fn):
+        self._fn, self._value = fn, None
+
+    def __call__(self):
+        if self._fn is not None:
+            self._value, self._fn = self._fn(), None
+        return self._value
 
 
 def _ragged_arange(counts: np.ndarray, total: int) -> np.ndarray:
@@ -383,6 +400,24 @@ class Plan:
 # --------------------------------------------------------------------------------------
 
 
+class Layout(NamedTuple):
+    """What a work expansion (Planner._layout_numpy, or plan_native's C) hands the rest of
+    plan(): counts, the CTA list bounds, and what the lazy predictions read."""
+
+    n: int  # work rows (written to the staging buffer, with the merges and slot list)
+    num_merge: int
+    num_slots: int
+    ptr: np.ndarray  # int64 [grid + 1]
+    pc: np.ndarray  # each row's cost (before the list-head swaps)
+    kind: np.ndarray | None  # True: decode row; None: all rows of one kind
+    swaps: tuple | None  # (list heads, rows they were swapped with)
+    fixes: tuple | None  # (cut parts, their fixed costs, KV starts, KV ends)
+    n0p: int  # prefill groups
+    n0d: int  # decode groups
+    n_prefill_req: int
+    n_decode_req: int
+
+
 @dataclass(frozen=True)
 class Capacities:
     batch: int
@@ -574,6 +609,8 @@ class Planner:
         self._check_limits(max_batch_size, max_num_tokens, max_num_pages)
         self._split_floor = (0, 0, 0)
         self._allocate(max_batch_size, max_num_tokens, max_num_pages)
+        # The work expansion in C (None: no C compiler here, or PODCUTE_PLANNER=numpy).
+        self._native = plan_native.load()
 
         # Unit costs in microseconds: prefill per KV token of a tile_m_prefill-row item,
         # decode per KV token (K + V) and per packed row (Q + O), per-piece overheads.
@@ -966,7 +1003,8 @@ class Planner:
             if nch.max() <= 1:
                 return None
         else:
-            load = (float(span.sum()) * rate + float(fixed.sum())) / self.grid
+            # (fixed summed in order, as plan_native.c does: numpy's sum is pairwise)
+            load = (float(span.sum()) * rate + float(fixed.cumsum()[-1])) / self.grid
             c_k = max(load / self.cost.chunks_per_cta, self.cost.min_chunk_us)
             if float(span.max()) * rate <= c_k:
                 return None
@@ -986,6 +1024,60 @@ class Planner:
 
     def _build(self, cu, q_len, kvl, used, options, sm_scale, total_q, max_page_index, pages,
                page_src, num_entries) -> Plan:
+        """Expand the batch into work rows, CTA lists, split slots and merges (written into
+        the staging buffers: plan_native's C, else the numpy code below, which compute the
+        same plan bit for bit), then write the rest of the metadata and make the Plan."""
+        self._sync_staging()
+        lay = None
+        if self._native is not None:
+            lay = self._native.build(self, q_len, kvl, options)
+        if lay is None:  # (no C compiler, or a capacity the numpy path grows or reports)
+            lay = self._layout_numpy(q_len, kvl, options)
+        cfg, grid, B = self.config, self.grid, q_len.size
+        left, right = options.window_left, options.right
+        hs = self._h
+        hs["params"][Param.SM_SCALE] = sm_scale
+        if options.softcap > 0:
+            hs["params"][Param.SOFTCAP_SCALE] = sm_scale / options.softcap
+            hs["params"][Param.SOFTCAP] = options.softcap
+        hs["iparams"][IParam.WINDOW_LEFT] = left
+        hs["iparams"][IParam.WINDOW_RIGHT] = right
+        hs["cta_ptr"][:] = lay.ptr
+        hs["q_start"][: B + 1] = cu
+        hs["kv_len"][:B] = kvl
+        hs["page_start"][:B] = self._write_pages(page_src, num_entries, B)
+        n = lay.n
+        if self._on_cuda:
+            end_off = self._segs["work"][0] + n * WORK_COLS
+            self._meta[:end_off].copy_(self._staging_t[:end_off], non_blocking=True)
+            if num_entries:
+                self._page_list[:num_entries].copy_(self._page_staging_t[:num_entries],
+                                                    non_blocking=True)
+            if self._copy_done is None:
+                self._copy_done = torch.cuda.Event()
+            self._copy_done.record()
+
+        # What the plan predicts (per-item and per-CTA times, the summary) is computed when
+        # first read, from arrays nothing writes again: the kernel needs none of it. Until
+        # then it holds the part costs and kinds (9 bytes a work row) and the cut parts'.
+        costs = _once(lambda: self._predicted_costs(lay.pc, lay.kind, lay.ptr, lay.swaps,
+                                                    lay.n0p, lay.fixes))
+        counts = dict(num_requests=B, num_prefill_requests=lay.n_prefill_req,
+                      num_decode_requests=lay.n_decode_req, num_split_items=lay.num_slots,
+                      num_merges=lay.num_merge, grid=grid)
+        summary = PlanSummary._lazy(lambda: self._summary_values(
+            counts, costs()[1:], lay.kind, n, lay.n0d))
+        return Plan(
+            config=cfg, causal=bool(options.causal), sm_scale=sm_scale, options=options,
+            total_q=total_q, batch_size=B, num_items=n, num_merge=lay.num_merge,
+            num_slots=lay.num_slots, grid=grid, max_page_index=max_page_index,
+            buffer_epoch=self.buffer_epoch, summary=summary, kernel_args=self.kernel_args,
+            q_lens=q_len, kv_lens=kvl, needed_pages=used, _pages=pages, _buffers=self._d,
+            _num_page_entries=num_entries, _costs=costs)
+
+    def _layout_numpy(self, q_len, kvl, options) -> "Layout":
+        """The work rows, merges and slot list of the batch in the staging buffers, and
+        what the predictions need (numpy; plan_native.c is the same in C)."""
         cfg, kcfg, grid = self.config, self.config.kernel, self.grid
         causal, bounded, right = options.causal, options.bounded_right, options.right
         left = options.window_left
@@ -1275,7 +1367,6 @@ class Planner:
             self._grow_splits(n, num_merge, num_slots)
 
         # ---- write the metadata -------------------------------------------------------------
-        self._sync_staging()
         hs = self._h
         wk = hs["work"][:n]
         if g is None:
@@ -1308,49 +1399,15 @@ class Planner:
             np.cumsum(dec, out=before[1:])
             ordinal = before[:-1] - np.repeat(before[ptr[:-1]], np.diff(ptr))
             kind_col[dec] |= (ordinal[dec] << KIND_BITS).astype(np.int32)
-        hs["params"][Param.SM_SCALE] = sm_scale
-        if options.softcap > 0:
-            hs["params"][Param.SOFTCAP_SCALE] = sm_scale / options.softcap
-            hs["params"][Param.SOFTCAP] = options.softcap
-        hs["iparams"][IParam.WINDOW_LEFT] = left
-        hs["iparams"][IParam.WINDOW_RIGHT] = right
-        hs["cta_ptr"][:] = ptr
-        hs["q_start"][: B + 1] = cu
-        hs["kv_len"][:B] = kvl
-        hs["page_start"][:B] = self._write_pages(page_src, num_entries, B)
         if num_merge:
             mr = hs["merge"][:num_merge]
             mr[:, MergeCol.REQ: MergeCol.ROW_END + 1] = tmpl[m_rows, WorkCol.REQ: WorkCol.ROW_END + 1]
             mr[:, MergeCol.FIRST_SLOT] = m_first
             mr[:, MergeCol.NUM_SPLITS] = m_count
             hs["slot_merge"][:num_slots] = np.arange(num_merge).repeat(m_count)
-        if self._on_cuda:
-            end_off = self._segs["work"][0] + n * WORK_COLS
-            self._meta[:end_off].copy_(self._staging_t[:end_off], non_blocking=True)
-            if num_entries:
-                self._page_list[:num_entries].copy_(self._page_staging_t[:num_entries],
-                                                    non_blocking=True)
-            if self._copy_done is None:
-                self._copy_done = torch.cuda.Event()
-            self._copy_done.record()
-
-        # What the plan predicts (per-item and per-CTA times, the summary) is computed when
-        # first read, from arrays nothing writes again: the kernel needs none of it. Until
-        # then it holds the part costs and kinds (9 bytes a work row) and the cut parts'.
         fixes = None if fix is None else (fix, fixed[g[fix]], kv_s[fix], kv_e[fix])
-        costs = cache(lambda: self._predicted_costs(pc, kind, ptr, swaps, n0p, fixes))
-        counts = dict(num_requests=B, num_prefill_requests=preq.size,
-                      num_decode_requests=dreq.size, num_split_items=num_slots,
-                      num_merges=num_merge, grid=grid)
-        summary = PlanSummary._lazy(lambda: self._summary_values(
-            counts, costs()[1:], kind, n, n0d))
-        return Plan(
-            config=cfg, causal=bool(causal), sm_scale=sm_scale, options=options,
-            total_q=total_q, batch_size=B, num_items=n, num_merge=num_merge,
-            num_slots=num_slots, grid=grid, max_page_index=max_page_index,
-            buffer_epoch=self.buffer_epoch, summary=summary, kernel_args=self.kernel_args,
-            q_lens=q_len, kv_lens=kvl, needed_pages=used, _pages=pages, _buffers=self._d,
-            _num_page_entries=num_entries, _costs=costs)
+        return Layout(n, num_merge, num_slots, ptr, pc, kind, swaps, fixes, n0p, n0d,
+                      preq.size, dreq.size)
 
     def _predicted_costs(self, pc, kind, ptr, swaps, n0p, fixes):
         """(predicted time of each work row, of each CTA list, of each list's prefill

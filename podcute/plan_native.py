@@ -1,0 +1,197 @@
+"""The planner's work expansion in C (`plan_native.c`): the same plan as
+`Planner._layout_numpy`, bit for bit, without numpy's per-call overhead (a plan of one
+decode costs ~100 numpy calls there; in C the expansion is a few microseconds at any size).
+
+Built on first use with the system's C compiler (``$CC`` or ``cc``) into the kernel cache
+root (``$PODCUTE_CACHE_DIR`` or ``~/.cache/podcute``), keyed by the source's hash, and
+loaded with ctypes. Without a compiler (or with ``PODCUTE_PLANNER=numpy``) the planner
+uses the numpy code: same plans, slower. ``tests/test_plan_native.py`` checks that the two
+agree on random batches of every kind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import subprocess
+import threading
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from podcute.kernels.metadata import MERGE_COLS, WORK_COLS, Kind, MergeCol, WorkCol
+
+_SOURCE = Path(__file__).with_name("plan_native.c")
+_I64, _F64 = ctypes.c_int64, ctypes.c_double
+_P = ctypes.c_void_p
+
+
+class _PlanIO(ctypes.Structure):
+    """PlanIO of plan_native.c, field for field."""
+
+    _fields_ = [
+        ("B", _I64), ("q_len", _P), ("kv_len", _P),
+        ("bounded", _I64), ("right", _I64), ("left", _I64), ("has_window", _I64),
+        ("invariant", _I64),
+        ("G", _I64), ("Hkv", _I64), ("tm_p", _I64), ("tm_d", _I64), ("tn", _I64),
+        ("grid", _I64),
+        ("r_p", _F64), ("r_d", _F64), ("r_row", _F64), ("o_p", _F64), ("o_d", _F64),
+        ("chunks_per_cta", _F64), ("min_chunk_us", _F64),
+        ("min_tiles", _I64 * 2), ("invariant_tokens", _I64 * 2),
+        ("bounds_unit", _P), ("odd", _P),
+        ("cap_items", _I64), ("cap_merges", _I64), ("cap_slots", _I64),
+        ("work", _P), ("merge", _P), ("slot_merge", _P), ("ptr", _P),
+        ("pc", _P), ("kind", _P), ("fix", _P), ("fix_s", _P), ("fix_e", _P),
+        ("swap_a", _P), ("swap_f", _P), ("fix_fixed", _P),
+        ("n", _I64), ("num_merge", _I64), ("num_slots", _I64), ("n_prefill_req", _I64),
+        ("n_decode_req", _I64), ("n0p", _I64), ("n0d", _I64), ("num_fix", _I64),
+        ("num_swaps", _I64), ("both", _I64),
+        ("scratch", _P), ("scratch_size", _I64), ("scratch_wanted", _I64),
+    ]
+
+
+def _addr(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+class _Buffers:
+    """One planner's constant fields and output buffers (for one buffer epoch)."""
+
+    def __init__(self, planner):
+        from podcute.plan import INVARIANT_SPLIT_TOKENS
+
+        cfg, k, cap, c = planner.config, planner.config.kernel, planner.capacity, planner.cost
+        self.epoch = planner.buffer_epoch
+        grid = planner.grid
+        self.ptr = np.empty(grid + 1, dtype=np.int64)
+        self.pc = np.empty(cap.items, dtype=np.float64)
+        self.kind = np.empty(cap.items, dtype=np.uint8)
+        cuts = max(grid - 1, 1)
+        self.fix = np.empty(2 * cuts, dtype=np.int64)
+        self.fix_s = np.empty(2 * cuts, dtype=np.int64)
+        self.fix_e = np.empty(2 * cuts, dtype=np.int64)
+        self.fix_fixed = np.empty(2 * cuts, dtype=np.float64)
+        self.swap_a = np.empty(grid, dtype=np.int64)
+        self.swap_f = np.empty(grid, dtype=np.int64)
+        self.bounds_unit = np.ascontiguousarray(planner._bounds_unit, dtype=np.float64)
+        self.odd = np.ascontiguousarray(planner._odd, dtype=np.uint8)
+        hs = planner._h
+        for a in (hs["work"], hs["merge"], hs["slot_merge"]):
+            assert a.dtype == np.int32 and a.flags.c_contiguous
+        r_p, r_d, r_row, o_p, o_d = planner._us
+        io = self.io = _PlanIO()
+        io.G, io.Hkv = cfg.group_size, cfg.num_kv_heads
+        io.tm_p, io.tm_d, io.tn, io.grid = k.tile_m_prefill, k.tile_m_decode, k.tile_n, grid
+        io.r_p, io.r_d, io.r_row, io.o_p, io.o_d = r_p, r_d, r_row, o_p, o_d
+        io.chunks_per_cta, io.min_chunk_us = c.chunks_per_cta, c.min_chunk_us
+        io.min_tiles[0], io.min_tiles[1] = planner._min_tiles
+        io.invariant_tokens[0], io.invariant_tokens[1] = INVARIANT_SPLIT_TOKENS
+        io.bounds_unit, io.odd = _addr(self.bounds_unit), _addr(self.odd)
+        io.cap_items, io.cap_merges, io.cap_slots = cap.items, cap.merges, cap.slots
+        io.work, io.merge, io.slot_merge = (_addr(hs["work"]), _addr(hs["merge"]),
+                                            _addr(hs["slot_merge"]))
+        io.ptr, io.pc, io.kind = _addr(self.ptr), _addr(self.pc), _addr(self.kind)
+        io.fix, io.fix_s, io.fix_e = _addr(self.fix), _addr(self.fix_s), _addr(self.fix_e)
+        io.fix_fixed = _addr(self.fix_fixed)
+        io.swap_a, io.swap_f = _addr(self.swap_a), _addr(self.swap_f)
+        self.ref = ctypes.byref(io)
+        self.grow_scratch(1 << 16)
+
+    def grow_scratch(self, nbytes: int) -> None:
+        """Scratch memory for the C side's arrays (kept: its pages stay mapped)."""
+        self.scratch = np.empty(nbytes, dtype=np.uint8)
+        self.io.scratch, self.io.scratch_size = _addr(self.scratch), nbytes
+
+
+class NativeBuilder:
+    """Planner._layout_numpy in C (module docstring)."""
+
+    def __init__(self, lib):
+        self._fn = lib.podcute_build
+        self._fn.argtypes = [ctypes.c_void_p]
+        self._fn.restype = ctypes.c_int
+
+    def build(self, planner, q_len: np.ndarray, kvl: np.ndarray, options):
+        """The batch's Layout (the rows written to the planner's staging buffers), or
+        None when a capacity would be exceeded (the numpy path then grows the buffers or
+        raises, as it does)."""
+        from podcute.plan import Layout
+
+        bufs = planner.__dict__.get("_native_bufs")
+        if bufs is None or bufs.epoch != planner.buffer_epoch:
+            bufs = planner._native_bufs = _Buffers(planner)
+        io = bufs.io
+        q_len = np.ascontiguousarray(q_len, dtype=np.int64)
+        kvl = np.ascontiguousarray(kvl, dtype=np.int64)
+        io.B, io.q_len, io.kv_len = q_len.size, _addr(q_len), _addr(kvl)
+        io.bounded, io.right, io.left = options.bounded_right, options.right, options.window_left
+        io.has_window, io.invariant = options.has_window, options.batch_invariant
+        rc = self._fn(bufs.ref)
+        if io.scratch_wanted > io.scratch_size:  # (it used malloc'ed blocks this time)
+            bufs.grow_scratch(2 * io.scratch_wanted)
+        if rc != 0:
+            return None
+        n, m2, ns = io.n, io.num_fix, io.num_swaps
+        kind = bufs.kind[:n].view(np.bool_).copy() if io.both else None
+        fixes = None
+        if m2:
+            fixes = (bufs.fix[:m2].copy(), bufs.fix_fixed[:m2].copy(), bufs.fix_s[:m2].copy(),
+                     bufs.fix_e[:m2].copy())
+        swaps = (bufs.swap_a[:ns].copy(), bufs.swap_f[:ns].copy()) if ns else None
+        return Layout(n, io.num_merge, io.num_slots, bufs.ptr.copy(), bufs.pc[:n].copy(), kind,
+                      swaps, fixes, io.n0p, io.n0d, io.n_prefill_req, io.n_decode_req)
+
+
+# The C side writes rows by these column numbers (plan_native.c's enums).
+assert (tuple(WorkCol) == tuple(range(WORK_COLS)) and WORK_COLS == 8
+        and WorkCol.KIND == 7 and WorkCol.SPLIT_SLOT == 6 and WorkCol.KV_START == 4)
+assert tuple(MergeCol) == tuple(range(MERGE_COLS)) and MergeCol.NUM_SPLITS == 5
+assert (Kind.PREFILL, Kind.DECODE) == (0, 1)
+
+_lock = threading.Lock()
+_loaded: list = []  # [NativeBuilder or None] once tried
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("PODCUTE_CACHE_DIR", Path.home() / ".cache" / "podcute"))
+
+
+def _build_library() -> Path:
+    """Compile plan_native.c (once per source version) and return the library's path."""
+    src = _SOURCE.read_bytes()
+    digest = hashlib.sha256(src).hexdigest()[:16]
+    root = _cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    lib = root / f"plan_native-{digest}.so"
+    if not lib.exists():
+        tmp = lib.with_name(f".{lib.name}.{os.getpid()}.tmp")
+        cc = os.environ.get("CC", "cc")
+        # -ffp-contract=off: no fused multiply-adds (numpy rounds every product).
+        cmd = [cc, "-O2", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared",
+               "-o", str(tmp), str(_SOURCE)]
+        try:
+            subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+            os.replace(tmp, lib)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return lib
+
+
+def load() -> NativeBuilder | None:
+    """The C work expansion, built and loaded on first use; None (numpy) when it cannot
+    be built or PODCUTE_PLANNER=numpy."""
+    if os.environ.get("PODCUTE_PLANNER", "") == "numpy":
+        return None
+    with _lock:
+        if not _loaded:
+            try:
+                _loaded.append(NativeBuilder(ctypes.CDLL(str(_build_library()))))
+            except (OSError, subprocess.SubprocessError) as err:
+                detail = getattr(err, "stderr", b"") or b""
+                warnings.warn("podcute: the planner's C expansion could not be built "
+                              f"({err}{': ' + detail.decode(errors='replace')[-500:] if detail else ''}); "
+                              "planning with numpy (same plans, slower)")
+                _loaded.append(None)
+        return _loaded[0]

@@ -1,0 +1,102 @@
+"""The planner's C work expansion (podcute/plan_native.c) writes the same plan as its numpy
+code, bit for bit: work rows, CTA lists, merges, slot list, and the predictions, on random
+batches of every kind (prefill / decode / mixed, windows, batch invariance, CSR, other
+grids and tile shapes), and on batches that exceed a capacity (the numpy path grows)."""
+
+import random
+
+import numpy as np
+import pytest
+
+from podcute import plan_native
+from podcute.plan import Planner
+from podcute.testing import mixed_lengths
+
+pytestmark = pytest.mark.skipif(plan_native.load() is None,
+                                reason="no C compiler: the planner plans with numpy")
+
+_PAIRS = {}
+
+
+def _pair(hq, hkv, d, page, num_sms, arch, cap):
+    key = (hq, hkv, d, page, num_sms, arch, cap)
+    if key not in _PAIRS:
+        kw = dict(device="cpu", num_sms=num_sms, arch=arch, max_batch_size=cap,
+                  max_num_tokens=cap * 64)
+        native, ref = Planner(hq, hkv, d, page, **kw), Planner(hq, hkv, d, page, **kw)
+        ref._native = None
+        assert native._native is not None
+        _PAIRS[key] = (native, ref)
+    return _PAIRS[key]
+
+
+def _batch(rng: random.Random, page: int, causal: bool):
+    n = rng.choice([1, 1, 2, 5, rng.randint(1, 40), rng.randint(1, 300)])
+    q_lens, kv_lens = mixed_lengths(rng, n, causal, 40000)
+    if not causal:  # requests with no KV, and more queries than keys
+        for b in range(n):
+            if rng.random() < 0.05:
+                kv_lens[b] = rng.choice([0, 1, 7])
+    cu = np.zeros(n + 1, dtype=np.int32)
+    cu[1:] = np.cumsum(q_lens)
+    kvl = np.array(kv_lens, dtype=np.int32)
+    pages = -(-kvl // page)
+    if rng.random() < 0.5:
+        width = max(1, int(pages.max()))
+        table = np.arange(n * width, dtype=np.int32).reshape(n, width)
+        return cu, dict(kv_lens=kvl, block_table=table)
+    indptr = np.zeros(n + 1, dtype=np.int32)
+    indptr[1:] = np.cumsum(pages)
+    return cu, dict(kv_lens=kvl, kv_indptr=indptr,
+                    kv_indices=np.arange(int(indptr[-1]), dtype=np.int32))
+
+
+def _assert_same(a, b, what):
+    assert a.num_items == b.num_items and a.num_merge == b.num_merge, what
+    assert a.num_slots == b.num_slots, what
+    for name in ("work", "cta_ptr", "merge", "slot_merge", "q_start", "kv_len",
+                 "page_start"):
+        assert np.array_equal(getattr(a, name).numpy(), getattr(b, name).numpy()), \
+            f"{what}: {name} differs"
+    for x, y in zip(a._costs(), b._costs()):
+        assert np.array_equal(x, y), f"{what}: predictions differ"
+    assert str(a.summary) == str(b.summary), what
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_native_and_numpy_plans_agree(seed):
+    rng = random.Random(seed)
+    for trial in range(25):
+        shape = rng.choice([(32, 8, 128), (8, 8, 64), (28, 4, 128), (32, 1, 128), (8, 2, 96)])
+        page = rng.choice([1, 16, 128])
+        num_sms = rng.choice([132, 132, 7, 61, 1])
+        arch = rng.choice(["sm_90a", "sm_90a", "sm_80"])
+        native, ref = _pair(*shape, page, num_sms, arch, 512)
+        causal = rng.random() < 0.7
+        cu, kw = _batch(rng, page, causal)
+        opts = dict(causal=causal)
+        r = rng.random()
+        if r < 0.15:
+            opts["window_size"] = (rng.choice([0, 16, 700, 4096]), rng.choice([-1, 0, 64]))
+        elif r < 0.25:
+            opts["window_size"] = (-1, rng.choice([0, 64]))
+        if rng.random() < 0.1:
+            opts["batch_invariant"] = True
+        what = f"seed {seed} trial {trial} {shape} page {page} sms {num_sms} {arch} {opts}"
+        a, b = native.plan(cu, **kw, **opts), ref.plan(cu, **kw, **opts)
+        _assert_same(a, b, what)
+
+
+def test_capacity_overflow_falls_back_and_grows():
+    """A batch past the buffers: the numpy path regrows them, the C path follows."""
+    native, ref = _pair(32, 8, 128, 16, 132, "sm_90a", 4)
+    rng = random.Random(5)
+    for _ in range(3):
+        cu, kw = _batch(rng, 16, True)
+        _assert_same(native.plan(cu, **kw), ref.plan(cu, **kw), "overflow")
+    n = 200
+    cu = np.arange(n + 1, dtype=np.int32) * 3
+    kvl = np.full(n, 9000, dtype=np.int32)
+    table = np.arange(n * 600, dtype=np.int32).reshape(n, 600)
+    _assert_same(native.plan(cu, kvl, block_table=table), ref.plan(cu, kvl, block_table=table),
+                 "grown")
