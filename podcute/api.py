@@ -217,6 +217,8 @@ class PODAttention:
     page-list entries: see :class:`~podcute.plan.Planner`) and grow for a bigger batch
     only until a ``run()`` is captured in a CUDA graph; after that, ``plan()`` raises
     :class:`~podcute.plan.CapacityError` for a batch that does not fit (README, CUDA graphs).
+    ``arch`` (or ``$PODCUTE_ARCH``) forces a kernel target, e.g. ``"sm_90"`` for the
+    warp-level kernel on Hopper; by default the device's own (sm_90a on a CPU planner).
     """
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,

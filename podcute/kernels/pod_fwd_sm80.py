@@ -37,7 +37,6 @@ from podcute.kernels.config import KernelConfig
 from podcute.kernels.dtypes import DTYPES
 from podcute.kernels.epilogue import store_fragments, store_lse, store_partial
 from podcute.kernels.gather import RowGather
-from podcute.kernels.mask import apply_mask
 from podcute.kernels.metadata import IParam, Param
 from podcute.kernels.pod_kernel import PodKernelBase
 from podcute.kernels.mma_utils import acc_as_operand_a_layout, rows_cols_view, warp_gemm
@@ -308,16 +307,8 @@ class PodAttentionSm80(PodKernelBase):
         then masked on the tiles that hold a key some row must not see."""
         if const_expr(self.cfg.softcap):
             softcap_scores(acc_S, mParams[Param.SOFTCAP_SCALE])
-        needs_mask = n_block >= mask_from
-        if const_expr(self.cfg.window):
-            needs_mask = needs_mask | (n_block < mask_until)
-        if needs_mask:
-            left = Int32(-1)
-            if const_expr(self.cfg.window):
-                left = mIParams[IParam.WINDOW_LEFT]
-            apply_mask(acc_S, tScS, item.row_start, n_block * self.tile_n, item.kv_end,
-                       item.kv_len - item.q_len, self.group, self.causal,
-                       self.window_right(mIParams), left, self.cfg.window)
+        if self.needs_mask(n_block, mask_from, mask_until):
+            self.mask_scores(acc_S, tScS, item, 0, n_block * self.tile_n, mIParams)
 
     # ---- epilogue ---------------------------------------------------------------------
 

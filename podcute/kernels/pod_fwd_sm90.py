@@ -51,7 +51,6 @@ from podcute.kernels.dtypes import DTYPES
 from podcute.kernels.epilogue import (staging_tile, store_fragments, store_lse, store_partial,
                                       store_rows)
 from podcute.kernels.gather import RowGather
-from podcute.kernels.mask import apply_mask
 from podcute.kernels.metadata import IParam, Param
 from podcute.kernels.pod_kernel import PodKernelBase
 from podcute.kernels.mma_utils import acc_as_operand_a_layout, rows_cols_view, warpgroup_gemm
@@ -951,10 +950,7 @@ class PodAttentionSm90(PodKernelBase):
             # (an L1 hit, not a register held through the mainloop; an fp8 cache's
             # k_scale goes inside the tanh with sm_scale)
             softcap_scores(acc_S, self.k_scaled(mParams[Param.SOFTCAP_SCALE], mKScale, kv_head))
-        needs_mask = n_block >= mask_from
-        if const_expr(self.cfg.window):
-            needs_mask = needs_mask | (n_block < mask_until)
-        if needs_mask:
+        if self.needs_mask(n_block, mask_from, mask_until):
             mask_tile(acc_S, col_start=n_block * self.tile_n)
 
     @cute.jit
@@ -964,12 +960,7 @@ class PodAttentionSm90(PodKernelBase):
         """Mask S of the KV tile at `col_start` for this warpgroup's rows of item `i`."""
         item = WorkItem.load(mWork, mQStart, mKvLen, mPageStart, i)
         row_offset = wg * WG_ROWS * (1 - Int32(item.is_decode))
-        left = Int32(-1)
-        if const_expr(self.cfg.window):
-            left = mIParams[IParam.WINDOW_LEFT]
-        apply_mask(acc_S, tScS, item.row_start + row_offset, col_start, item.kv_end,
-                   item.kv_len - item.q_len, self.group, self.causal,
-                   self.window_right(mIParams), left, self.cfg.window)
+        self.mask_scores(acc_S, tScS, item, row_offset, col_start, mIParams)
 
     @cute.jit
     def kv_scale(self, mScale: cute.Tensor, kv_head: Int32) -> Float32:
