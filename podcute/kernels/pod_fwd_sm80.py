@@ -54,8 +54,11 @@ def tile_smem_layout(dtype, rows: int, cols: int):
     and the rows a warp's cp.async chunks write fall in distinct banks."""
     atom_cols = 64 if cols % 64 == 0 else 32
     bits = 3 if atom_cols == 64 else 2
+    # The swizzle goes onto the shared-memory pointer (`get_tensor(swizzle=...)`), which
+    # applies it to byte addresses: 16-byte chunks (bit 4 up) XOR-ed with the row's bits
+    # (bit 7 up), so the tile's base must be 1024-byte aligned.
     atom = cute.make_composed_layout(
-        cute.make_swizzle(bits, 3, 3), 0,
+        cute.make_swizzle(bits, 4, 3), 0,
         cute.make_layout((8, atom_cols), stride=(atom_cols, 1)))
     return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
 
@@ -121,9 +124,9 @@ class PodAttentionSm80(PodKernelBase):
 
         @cute.struct
         class SharedStorage:
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 128]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 128]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 128]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
             merge_flag: cute.struct.MemRange[Int32, 1]
 
         self.shared_storage = SharedStorage
