@@ -15,12 +15,6 @@ ARCH_OF_CAPABILITY = {(8, 0): "sm_80", (8, 6): "sm_86", (8, 7): "sm_86", (8, 9):
                       (9, 0): "sm_90a", (12, 0): "sm_120a"}
 
 
-# Architectures chosen by default on their own GPUs: those whose kernel has passed the GPU
-# test sweep. The warp-level kernel compiles for the others but has not run on a GPU yet
-# (docs/gpu-runs.md); it runs only where asked for (arch= or PODCUTE_ARCH).
-DEFAULT_ARCHS = ("sm_90a",)
-
-
 def runs_on(arch: str, capability: tuple[int, int]) -> bool:
     """Whether a kernel compiled for `arch` runs on a GPU of `capability`."""
     digits = arch[3:].rstrip("a")
@@ -50,11 +44,6 @@ def resolve_arch(device: torch.device, arch: str | None = None) -> str:
     cap = torch.cuda.get_device_capability(device)
     if arch is None:
         arch = ARCH_OF_CAPABILITY.get(cap)
-        if arch is not None and arch not in DEFAULT_ARCHS:
-            raise RuntimeError(
-                f"podcute's {arch} kernel (the warp-level one) compiles but has not yet been "
-                f"validated on a GPU; run it anyway with PODAttention(..., arch={arch!r}) "
-                f"or PODCUTE_ARCH={arch} (found {torch.cuda.get_device_name(device)})")
     if arch is None or not runs_on(arch, cap):
         raise RuntimeError(unsupported_arch_message(
             f"{torch.cuda.get_device_name(device)} (sm_{cap[0]}{cap[1]})"

@@ -131,6 +131,9 @@ class CostModel:
     # for ~505 tiles of 128 x 128 per CTA, is ~0.76 of the matmul rate; D1 at page 128
     # streams its bytes at ~1.09x the SM's share of the copy bandwidth.
     mma_efficiency: float = 0.75
+    # The warp-level kernel's (mma.sync) prefill: F1 at page 16 on the H200 forced to
+    # the portable kernel took 2.07 ms (docs/performance.md) where 0.75 predicts 0.97.
+    warp_mma_efficiency: float = 0.35
     decode_sm_bandwidth: float = 1.1
     prefill_item_overhead_us: float = 1.0
     decode_item_overhead_us: float = 2.0
@@ -141,6 +144,12 @@ class CostModel:
     # kind reaches every CTA. More = finer interleave, more partials; bounds capacities().
     chunks_per_cta: int = 1
     elem_bytes: int = 2  # bf16 / fp16
+
+    def for_kernel(self, kernel) -> "CostModel":
+        """This model with the MMA efficiency of `kernel` (a KernelConfig)'s prefill."""
+        if not kernel.warp_mma:
+            return self
+        return dataclasses.replace(self, mma_efficiency=self.warp_mma_efficiency)
 
     def mma_flops_per_us(self) -> float:
         return self.tensor_flops_per_s / self.ref_num_sms * self.mma_efficiency * 1e-6
@@ -599,7 +608,7 @@ class Planner:
             num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                        if self.device.type == "cuda" else 132)  # H200 on a host-only planner
         self.config = PlanConfig(num_qo_heads, num_kv_heads, G, head_dim, page_size, kernel)
-        self.cost = cost_model
+        self.cost = cost_model = cost_model.for_kernel(kernel)
         self.num_sms = int(num_sms)
         self.grid = self.num_sms * kernel.ctas_per_sm
         self.buffer_epoch = 0

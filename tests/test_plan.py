@@ -591,3 +591,23 @@ def test_cost_model_constants_are_exposed():
     total = plan.item_cost_us.sum()
     assert total == pytest.approx(kv_us + plan.num_items * piece_us, rel=1e-3)
     assert KernelConfig.select("bfloat16", 128).tile_m_decode == 64
+
+
+def test_cost_model_takes_each_kernels_prefill_rate():
+    """The warp-level kernel's prefill runs at its own measured MMA rate (lower than
+    sm_90a's), so its plans balance prefill against decode with that rate; decode's
+    bytes cost the same on both."""
+    from podcute.plan import DEFAULT_COST_MODEL, Planner
+
+    hopper = Planner(32, 8, 128, 16, device="cpu")
+    warp = Planner(32, 8, 128, 16, device="cpu", arch="sm_90")
+    assert hopper.cost is DEFAULT_COST_MODEL
+    assert warp.cost.mma_efficiency == DEFAULT_COST_MODEL.warp_mma_efficiency < \
+        DEFAULT_COST_MODEL.mma_efficiency
+    assert warp.cost.hbm_bytes_per_us() == hopper.cost.hbm_bytes_per_us()
+    q = torch.tensor([0, 4096], dtype=torch.int32)
+    kv = torch.tensor([4096], dtype=torch.int32)
+    bt = torch.zeros(1, 256, dtype=torch.int32)
+    p_hopper = hopper.plan(q, kv, block_table=bt).summary.predicted_prefill_us
+    p_warp = warp.plan(q, kv, block_table=bt).summary.predicted_prefill_us
+    assert p_warp > p_hopper

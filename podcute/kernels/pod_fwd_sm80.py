@@ -18,7 +18,7 @@ CTA = 4 warps (FlashAttention-2's structure), each warp owning 16 of the item's 
     piece writes fp32 partials and the CTA finishing a group's last piece merges it, in
     the launch.
 Prefill and decode items run the same loop here (a decode item's rows fill the first
-warps; the rest repeat its last row and store nothing).
+warps; the others only copy K/V tiles for them).
 """
 
 from typing import Optional
@@ -217,6 +217,7 @@ class PodAttentionSm80(PodKernelBase):
         pages = cute.make_rmem_tensor(kv_gather.rows_per_thread, Int32)
         slots = cute.make_rmem_tensor(kv_gather.rows_per_thread, Int32)
 
+        warp_id = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         cta = cute.arch.block_idx()[0]
         for i in cutlass.range(mCtaPtr[cta], mCtaPtr[cta + 1], unroll=1):
             item = WorkItem.load(mWork, mQStart, mKvLen, mPageStart, i)
@@ -227,6 +228,10 @@ class PodAttentionSm80(PodKernelBase):
                 mask_until = left_mask_until(
                     item.kv_len, item.q_len, item.row_end, self.group,
                     mIParams[IParam.WINDOW_LEFT], tile_n)
+            # A warp whose 16 rows all lie past the item's (a decode item's 1-16 rows fill
+            # the first warp) only copies: its MMAs would repeat the last row, and their
+            # ldmatrix reads take shared-memory bandwidth from the SM's other CTA.
+            busy = warp_id * WARP_ROWS < item.row_end - item.row_start
             softmax.reset()
             acc_O.fill(0.0)
             self.load_q(mQ, sQ, q_gather, item)
@@ -243,22 +248,24 @@ class PodAttentionSm80(PodKernelBase):
                 if n_block + 1 < n_max:
                     self.lookup_pages(pages, slots, kv_gather, mPageList, page_divisor, item,
                                       n_block + 1)
-                acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
-                acc_S.fill(0.0)
-                warp_gemm(tiled_mma_qk, acc_S, tSrQ, tSrK, *gemm_qk)
-                self.score_tile(acc_S, tScS, item, n_block, mask_from, mask_until, mParams,
-                                mIParams)
-                softmax.update(acc_S, row_scale)
-                rescale_rows(acc_O, row_scale)
-                rP.store(acc_S.load().to(self.dtype))
+                if busy:
+                    acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
+                    acc_S.fill(0.0)
+                    warp_gemm(tiled_mma_qk, acc_S, tSrQ, tSrK, *gemm_qk)
+                    self.score_tile(acc_S, tScS, item, n_block, mask_from, mask_until,
+                                    mParams, mIParams)
+                    softmax.update(acc_S, row_scale)
+                    rescale_rows(acc_O, row_scale)
+                    rP.store(acc_S.load().to(self.dtype))
                 # V has landed; every warp is done with K.
                 cute.arch.cp_async_wait_group(0)
                 cute.arch.barrier()
                 if n_block + 1 < n_max:
                     self.load_kv(mK, sK, kv_gather, pages, slots, item)
                 cute.arch.cp_async_commit_group()
-                warp_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt, None, None, None, copy_v, tOsVt,
-                          tOrVt_copy)
+                if busy:
+                    warp_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt, None, None, None, copy_v,
+                              tOsVt, tOrVt_copy)
             self.epilogue(acc_O, softmax, tOcO, item, mO, mLSE, mSinks, mParams, mPartialO,
                           mPartialLSE, tidx)
             if item.split_slot >= 0:
