@@ -1,4 +1,4 @@
-"""The warp-level kernel's shared-memory tiles swizzle bytes as the Hopper kernel's do.
+"""The shared-memory tiles of both kernels (kernels/smem.py) swizzle bytes, as CUTLASS's Hopper atoms do.
 
 Both kernels put the swizzle on the shared-memory pointer (`get_tensor(swizzle=...)`),
 which the DSL applies to byte addresses. The sm_90a tiles take theirs from CUTLASS's
@@ -19,7 +19,7 @@ import cutlass.utils.hopper_helpers as sm90_utils  # noqa: E402
 from cutlass.cute.nvgpu import warpgroup  # noqa: E402
 from cutlass.utils import LayoutEnum  # noqa: E402
 
-from podcute.kernels.pod_fwd_sm80 import tile_smem_layout  # noqa: E402
+from podcute.kernels.smem import tile_smem_layout  # noqa: E402
 
 FOUND = {}
 

@@ -41,26 +41,12 @@ from podcute.kernels.metadata import IParam, Param
 from podcute.kernels.pod_kernel import PodKernelBase
 from podcute.kernels.mma_utils import acc_as_operand_a_layout, rows_cols_view, warp_gemm
 from podcute.kernels.softmax import LOG2_E, OnlineSoftmax, rescale_rows, softcap_scores
+from podcute.kernels.smem import tile_smem_layout
 from podcute.kernels.split_merge import finish_split
 from podcute.kernels.visibility import left_mask_until
 from podcute.kernels.work import WorkItem
 
 WARP_ROWS = 16  # rows of one warp: one m16 mma.sync
-
-
-def tile_smem_layout(dtype, rows: int, cols: int):
-    """Swizzled row-major (rows, cols) tile: 8-row atoms of 64 columns (32 when a row is
-    not a multiple of 64), 16-byte chunks XOR-ed by row, so the 8 rows an ldmatrix reads
-    and the rows a warp's cp.async chunks write fall in distinct banks."""
-    atom_cols = 64 if cols % 64 == 0 else 32
-    bits = 3 if atom_cols == 64 else 2
-    # The swizzle goes onto the shared-memory pointer (`get_tensor(swizzle=...)`), which
-    # applies it to byte addresses: 16-byte chunks (bit 4 up) XOR-ed with the row's bits
-    # (bit 7 up), so the tile's base must be 1024-byte aligned.
-    atom = cute.make_composed_layout(
-        cute.make_swizzle(bits, 4, 3), 0,
-        cute.make_layout((8, atom_cols), stride=(atom_cols, 1)))
-    return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
 
 
 class PodAttentionSm80(PodKernelBase):

@@ -41,7 +41,6 @@ import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.utils import LayoutEnum
 
 from podcute import layouts
 from podcute.kernels.barriers import NamedBarrier
@@ -55,6 +54,7 @@ from podcute.kernels.metadata import IParam, Param
 from podcute.kernels.pod_kernel import PodKernelBase
 from podcute.kernels.mma_utils import acc_as_operand_a_layout, rows_cols_view, warpgroup_gemm
 from podcute.kernels.softmax import LOG2_E, OnlineSoftmax, rescale_rows, softcap_scores
+from podcute.kernels.smem import smem_atom, tile_smem_layout
 from podcute.kernels.split_merge import finish_split
 from podcute.kernels.visibility import left_mask_until
 from podcute.kernels.work import WorkItem
@@ -70,24 +70,6 @@ def stage(count: Int32, stages: int, producer: bool = False) -> pipeline.Pipelin
     if const_expr(producer):
         phase = phase ^ 1
     return pipeline.PipelineState(stages, count, count % stages, phase)
-
-
-def smem_atom(dtype, cols: int):
-    """The swizzle atom of a row-major (.., cols) tile: 8 rows x the widest swizzle that
-    divides a row (64 columns of 16-bit data at D 64 and 128)."""
-    return warpgroup.make_smem_layout_atom(
-        sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype
-    )
-
-
-def tile_smem_layout(dtype, rows: int, cols: int, stages: Optional[int] = None,
-                     atom_cols: Optional[int] = None):
-    """Swizzled K-major smem layout of a (rows, cols) tile (+ stages), as wgmma reads it:
-    column blocks of `atom_cols` (the swizzle width), each rows x atom_cols contiguous."""
-    atom = smem_atom(dtype, cols if atom_cols is None else atom_cols)
-    if stages is None:
-        return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
-    return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
 
 
 class PodAttentionSm90(PodKernelBase):

@@ -1,0 +1,33 @@
+"""Swizzled shared-memory tiles of 16-bit data, for both kernels.
+
+A tile's swizzle goes onto its shared-memory pointer (`get_tensor(swizzle=...)`), which the
+DSL applies to byte addresses: CUTLASS's atoms (S<3,4,3> for 128-byte rows, S<2,4,3> for
+64-byte ones) XOR 16-byte chunks with the row, so tiles are 1024-byte aligned. The same
+tile serves wgmma (sm_90a) and ldmatrix / cp.async (the warp-level kernel): the 8 rows an
+ldmatrix reads and the rows a warp's 16-byte copies write fall in distinct banks.
+"""
+
+from typing import Optional
+
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import warpgroup
+from cutlass.utils import LayoutEnum
+
+
+def smem_atom(dtype, cols: int):
+    """The swizzle atom of a row-major (.., cols) tile: 8 rows x the widest swizzle that
+    divides a row (64 columns of 16-bit data at D 64 and 128)."""
+    return warpgroup.make_smem_layout_atom(
+        sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype
+    )
+
+
+def tile_smem_layout(dtype, rows: int, cols: int, stages: Optional[int] = None,
+                     atom_cols: Optional[int] = None):
+    """Swizzled K-major smem layout of a (rows, cols) tile (+ stages): column blocks of
+    `atom_cols` (the swizzle width), each rows x atom_cols contiguous."""
+    atom = smem_atom(dtype, cols if atom_cols is None else atom_cols)
+    if stages is None:
+        return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
+    return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
