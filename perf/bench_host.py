@@ -291,6 +291,21 @@ def host_overhead(calls: int) -> dict:
         r = dict(batch=f"{n} decode(s) at kv {kv}, Hq/Hkv/D 32/8/128, page 16, bf16",
                  plan=str(summary), num_merge=attn.current_plan.num_merge)
         r["one_shot"] = one_shot_overhead(b, calls)
+        # The floor under run(): the compiled kernel called directly with the plan's
+        # buffers (tvm-ffi argument passing + the launch), no podcute Python around it.
+        from podcute.launch import _kernel
+        plan = attn.current_plan
+        pod = _kernel(q.device, q.dtype, plan.config, plan.options, False, False)
+        raw_args = (q, k, v, out, None, None, None, None, *plan.kernel_args)
+
+        def raw():
+            pod(*raw_args)
+
+        for _ in range(20):
+            raw()
+        r["raw_call"] = dict(plain=host_time_per_call(raw, calls),
+                             sleep_covered=_sleep_covered(raw, calls))
+        log(f"  {name} raw kernel call: {r['raw_call']}")
         for _ in range(20):
             eager()
         torch.cuda.synchronize()
@@ -383,6 +398,10 @@ def markdown(rep: dict) -> str:
               "| batch | mode | behind sleep | issue | wall | GPU ms/call | graph == eager |",
               "|---|---|---|---|---|---|---|"]
         for name, r in h.items():
+            m = r.get("raw_call")
+            if m:
+                L.append(f"| {name} | raw kernel call | {m['sleep_covered']['us_median_chunk']:.1f}"
+                         f" | {m['plain']['issue_us']:.1f} | {m['plain']['wall_us']:.1f} | | |")
             for mode in ("eager", "graph"):
                 m = r.get(mode) or {}
                 if "error" in m:

@@ -379,41 +379,53 @@ class PODAttention:
     def _common_case(self, plan: Plan, q, k_cache, v_cache, out) -> bool:
         """True if the run() arguments are valid: right types, dtypes, device, shapes,
         contiguous last dims, 16-byte aligned rows, pages inside the cache (the checks of
-        _validate_run, in one pass: each tensor's shape, strides and address are read
-        once; this runs once per layer)."""
-        dt, kv_dt, dev, strided = self.dtype, self.kv_dtype, self.device, torch.strided
-        kv_mask, kv_size = self._kv_stride_mask, self._kv_elem
+        _validate_run, conservatively: False sends a call to them). Runs once per layer,
+        so it is written for the interpreter: each tensor's shape, strides and address
+        are read once, the checks are unrolled for q's 3 and the caches' 4 dims (a loop
+        or a torch.Size slice costs more than the comparisons)."""
+        T, dev, kv_dt = torch.Tensor, self.device, self.kv_dtype
         try:
-            spans = []
-            for t in (q, k_cache, v_cache) if out is None else (q, k_cache, v_cache, out):
-                cache = t is k_cache or t is v_cache
-                if (type(t) is not torch.Tensor or t.dtype is not (kv_dt if cache else dt)
-                        or t.layout is not strided or t.device != dev):
-                    return False
-                st, shape, ptr = t.stride(), t.shape, t.data_ptr()
-                if st[-1] != 1 or ptr & 15:
-                    return False
-                mask = kv_mask if cache else 7  # 16-byte rows
-                for r in st[:-1]:
-                    if r & mask:
-                        return False
-                spans.append(_byte_range(ptr, shape, st, kv_size if cache else 2))
-            if out is not None:
-                # no zero strides (the row checks above cover overlapping rows only when the
-                # strides are dense) and no overlap with what the kernel reads
-                so = out.stride()
-                if (so[0] < out.shape[1] * so[1] or so[1] < out.shape[2]
-                        or out.shape != q.shape):
-                    return False
-                lo, hi = spans[3]
-                for tlo, thi in spans[:3]:
-                    if lo < thi and tlo < hi:
-                        return False
-            return (q.shape[0] >= plan.total_q and q.shape[1:] == self._q_tail
-                    and q.shape[0] < 2**31
-                    and k_cache.shape[1:] == self._cache_tail and v_cache.shape == k_cache.shape
-                    and plan.pages_within(k_cache.shape[0]))
-        except (AttributeError, TypeError, ValueError, IndexError):
+            if (type(q) is not T or type(k_cache) is not T or type(v_cache) is not T
+                    or q.dtype is not self.dtype or k_cache.dtype is not kv_dt
+                    or v_cache.dtype is not kv_dt or q.device != dev
+                    or k_cache.device != dev or v_cache.device != dev):
+                return False
+            # stride() raises (RuntimeError) for a sparse or other non-strided layout
+            qn, qs, qp = q.shape, q.stride(), q.data_ptr()
+            kn, ks, kp = k_cache.shape, k_cache.stride(), k_cache.data_ptr()
+            vs, vp = v_cache.stride(), v_cache.data_ptr()
+            Hq, D = self._q_tail
+            a, b, c = self._cache_tail
+            m = self._kv_stride_mask  # 16-byte rows
+            if (len(qn) != 3 or qn[1] != Hq or qn[2] != D or qs[2] != 1
+                    or (qs[0] | qs[1]) & 7 or qp & 15
+                    or not plan.total_q <= qn[0] < 2**31
+                    or len(kn) != 4 or kn[1] != a or kn[2] != b or kn[3] != c
+                    or v_cache.shape != kn or ks[3] != 1 or vs[3] != 1
+                    or (ks[0] | ks[1] | ks[2] | vs[0] | vs[1] | vs[2]) & m or (kp | vp) & 15
+                    or not plan.pages_within(kn[0])):
+                return False
+            if out is None:
+                return True
+            if type(out) is not T or out.dtype is not self.dtype or out.device != dev:
+                return False
+            on, os_, op = out.shape, out.stride(), out.data_ptr()
+            # out's elements distinct (dense row order, no zero strides) and 16-byte rows
+            if (on != qn or os_[2] != 1 or os_[1] < D or os_[0] < Hq * os_[1]
+                    or (os_[0] | os_[1]) & 7 or op & 15):
+                return False
+            # ... and apart from everything the kernel reads (byte ranges [first, end) of
+            # non-empty tensors; an empty one takes the detailed checks)
+            if qn[0] == 0 or kn[0] == 0:
+                return False
+            e, ke = 2, self._kv_elem
+            o_end = op + ((on[0] - 1) * os_[0] + (Hq - 1) * os_[1] + D) * e
+            q_end = qp + ((qn[0] - 1) * qs[0] + (Hq - 1) * qs[1] + D) * e
+            kspan = (kn[0] - 1) * ks[0] + (a - 1) * ks[1] + (b - 1) * ks[2] + c
+            vspan = (kn[0] - 1) * vs[0] + (a - 1) * vs[1] + (b - 1) * vs[2] + c
+            return not ((op < q_end and qp < o_end) or (op < kp + kspan * ke and kp < o_end)
+                        or (op < vp + vspan * ke and vp < o_end))
+        except (AttributeError, TypeError, ValueError, IndexError, RuntimeError):
             return False
 
     def _validate_run(self, plan: Plan, q, k_cache, v_cache, out) -> None:
@@ -575,6 +587,12 @@ class PODAttention:
 _ONE_SHOT: dict = {}
 
 
+# What one_shot_for() saw (q's and the cache's dims, dtypes, device, layout) -> the
+# one_shot_attention() it returned: a layer's call of a configuration seen before skips
+# the checks (run() checks every tensor anyway).
+_ONE_SHOT_FOR: dict = {}
+
+
 def one_shot_attention(num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                        dtype: torch.dtype, kv_layout: str, device,
                        kv_dtype: torch.dtype | None = None) -> tuple:
@@ -595,6 +613,15 @@ def one_shot_for(q, k_cache, v_cache, kv_layout: str, *, where: str = "",
     """one_shot_attention() of the configuration a call's tensors imply: q [T, Hq, D] and
     4-D caches in `kv_layout`, each check a named error before anything is planned.
     `where` prefixes the messages and `names` are what the caller calls q and the caches."""
+    try:
+        qn, kn = q.shape, k_cache.shape
+        memo = (len(qn), qn[1], qn[2], len(kn), kn[1], kn[2], kn[3], q.dtype, k_cache.dtype,
+                q.device, kv_layout)
+        hit = _ONE_SHOT_FOR.get(memo)
+    except (AttributeError, IndexError, TypeError):
+        memo = hit = None
+    if hit is not None and type(q) is torch.Tensor and type(k_cache) is torch.Tensor:
+        return hit
     q_name, k_name, _ = names
     for name, t in zip(names, (q, k_cache, v_cache)):
         if not isinstance(t, torch.Tensor):
@@ -631,7 +658,10 @@ def one_shot_for(q, k_cache, v_cache, kv_layout: str, *, where: str = "",
     # An fp8 cache selects fp8 variants (PODAttention checks the head dim); any other
     # cache dtype is run()'s to refuse.
     kv_dtype = k_cache.dtype if k_cache.dtype in _FP8_DTYPES else None
-    return one_shot_attention(Hq, Hkv, D, ps, q.dtype, kv_layout, q.device, kv_dtype)
+    hit = one_shot_attention(Hq, Hkv, D, ps, q.dtype, kv_layout, q.device, kv_dtype)
+    if memo is not None:
+        _ONE_SHOT_FOR[memo] = hit
+    return hit
 
 
 def pod_attention(q, k_cache, v_cache, *, cu_seqlens_q, seqused_k, block_table, causal=True,

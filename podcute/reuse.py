@@ -38,7 +38,7 @@ def fingerprint(x):
     if x is None:
         return None
     if isinstance(x, torch.Tensor):
-        return (x.data_ptr(), x._version, tuple(x.shape), x.stride(), x.dtype, x.device)
+        return (x.data_ptr(), x._version, x.shape, x.stride(), x.dtype, x.device)
     if isinstance(x, np.ndarray):
         return ("numpy", x.dtype.str, x.shape, x.tobytes())
     return ("value", x)
@@ -63,7 +63,7 @@ class CallPlanner:
         """Make sure `attn` holds the plan of this metadata: `plan_fn()` plans it unless
         the previous call's `tensors` (index arguments, any of them None) and `scalars`
         were the same. Returns True if the previous plan was reused."""
-        key = (tuple(fingerprint(t) for t in tensors), scalars)
+        key = (tuple(map(fingerprint, tensors)), scalars)
         if key == self._key and self.attn.current_plan is not None:
             return True
         self._key = None  # a failed plan() leaves nothing to reuse

@@ -92,17 +92,53 @@ def test_contiguous_kv_is_pages_of_one_token():
     (dict(alibi_slopes=torch.ones(HQ)), "alibi_slopes"),
     (dict(return_attn_probs=True), "return_attn_probs"),
     (dict(q_v=torch.ones(1)), "q_v"),
-    (dict(q_descale=torch.ones(1)), "q_descale"),
-    (dict(k_descale=torch.ones(1)), "k_descale"),
-    (dict(v_descale=torch.ones(1)), "v_descale"),
+    (dict(k_descale=torch.rand(2, HKV)), "k_descale"),  # fp8 only: see below
     (dict(seqused_q=torch.ones(2, **I32)), "seqused_q"),
     (dict(cp_world_size=2), "cp_world_size"),
 ])
 def test_unsupported_arguments_are_named(kw, name):
     b = batch()
+    if name == "k_descale":  # per-request descales of an fp8 cache
+        b["k"], b["v"] = b["k"].to(torch.float8_e4m3fn), b["v"].to(torch.float8_e4m3fn)
     with pytest.raises(NotImplementedError, match=name):
         flash_attn_varlen_func(b["q"], b["k"], b["v"], 20, b["cu"], 40, seqused_k=b["kvl"],
                                block_table=b["bt"], **kw)
+
+
+def test_descales_as_vllm_passes_them():
+    """FlashAttention 3's descales: unused with 16-bit inputs (q_descale always: podcute's
+    queries are 16-bit), and for an fp8 cache one [Hkv] or [1] row of a [B, Hkv] expand
+    that run() receives as k_scale / v_scale, a view of the caller's memory (no copy)."""
+    b = batch()
+    shape = (2, HKV)
+    ones = torch.ones(1).expand(shape)
+    vllm_call(b, q_descale=ones, k_descale=ones, v_descale=ones)  # bf16 cache: unused
+    with pytest.raises(TypeError, match="k_descale"):
+        vllm_call(dict(b), k_descale=1.0)
+    seen = {}
+    orig = podcute.PODAttention.run
+
+    def spy(self, *a, **kw):
+        seen.update(kw)
+        return orig(self, *a, **kw)
+
+    b8 = dict(b, k=b["k"].to(torch.float8_e4m3fn), v=b["v"].to(torch.float8_e4m3fn))
+    per_head, scalar = torch.rand(HKV) + 0.5, torch.rand(1) + 0.5
+    try:
+        podcute.PODAttention.run = spy
+        vllm_call(b8, q_descale=ones, k_descale=per_head.expand(shape),
+                  v_descale=scalar.expand(shape))
+    finally:
+        podcute.PODAttention.run = orig
+    assert seen["k_scale"].shape == (HKV,) and seen["k_scale"].data_ptr() == per_head.data_ptr()
+    assert seen["v_scale"].shape == (1,) and seen["v_scale"].data_ptr() == scalar.data_ptr()
+    att = api.one_shot_attention(HQ, HKV, D, PS, torch.bfloat16, "NHD", torch.device("cpu"),
+                                 kv_dtype=torch.float8_e4m3fn)[0]
+    assert att.current_plan.kv_len.tolist() == [40, 17]
+    with pytest.raises(ValueError, match="k_descale"):
+        vllm_call(b8, k_descale=torch.ones(2, HKV, 1))
+    with pytest.raises(TypeError, match="k_scale must be float32"):
+        vllm_call(b8, k_descale=torch.ones(2, HKV, dtype=torch.float64)[:1])
 
 
 def test_window_softcap_and_sinks_reach_the_plan():

@@ -82,6 +82,32 @@ def test_contiguous_kv():
     check(out, lse, b)
 
 
+@pytest.mark.parametrize("per_head", [True, False])
+def test_fp8_cache_with_vllm_descales(per_head):
+    """vLLM's FlashAttention-3 call over an fp8 cache: 16-bit queries, the cache viewed as
+    e4m3, descales as [B, Hkv] expands of the layer's scale (q_descale unused: 16-bit
+    queries); matches the reference on the dequantised cache."""
+    from podcute.testing import quantize_kv_cache
+
+    b = batch(*MIX, seed=3)
+    k8, ks = quantize_kv_cache(b.k_cache, per_head=per_head)
+    v8, vs = quantize_kv_cache(b.v_cache, per_head=per_head)
+    deq = dataclasses.replace(
+        b, k_cache=(k8.float() * (ks.view(1, 1, -1, 1) if per_head else ks)).to(b.q.dtype),
+        v_cache=(v8.float() * (vs.view(1, 1, -1, 1) if per_head else vs)).to(b.q.dtype))
+    shape = (len(b.q_lens), HKV)
+    out = torch.full_like(b.q, float("nan"))
+    flash_attn_varlen_func(
+        b.q, k8, v8, max(b.q_lens), b.cu_seqlens_q, max(b.kv_lens), seqused_k=b.seqused_k,
+        block_table=b.block_table, causal=True, out=out, fa_version=3,
+        q_descale=torch.ones(1, device="cuda").expand(shape),
+        k_descale=(ks if per_head else ks.reshape(1)).expand(shape),
+        v_descale=(vs if per_head else vs.reshape(1)).expand(shape))
+    ref = deq.reference(causal=True)
+    assert not out.isnan().any()
+    assert rel_l2(out, ref) <= 1e-2
+
+
 def layers_of(b, num_layers=3):
     """The layers of one step: the same requests and pages (one page table serves every
     layer), other queries and values per layer."""

@@ -156,12 +156,18 @@ def test_one_shot_fp8_errors():
     assert I32  # (shared fixtures)
 
 
-def test_flash_attn_compat_refuses_fp8_caches():
+@pytest.mark.skipif(HAS_HOPPER, reason="checks the no-GPU error path")
+def test_flash_attn_compat_takes_fp8_caches():
+    """An fp8 cache through the FlashAttention-shaped call plans an fp8 PODAttention (here
+    it then refuses to launch: no GPU); a per-request descale is refused by name."""
     from podcute.compat.flash_attn import flash_attn_varlen_func
     g = fp8_good()
-    with raises(NotImplementedError, "k.dtype", "PODAttention"):
-        flash_attn_varlen_func(g["q"], g["k"], g["v"], cu_seqlens_q=g["cu"], max_seqlen_q=20,
-                               seqused_k=g["kvl"], max_seqlen_k=40, block_table=g["bt"])
+    kw = dict(cu_seqlens_q=g["cu"], max_seqlen_q=20, seqused_k=g["kvl"], max_seqlen_k=40,
+              block_table=g["bt"])
+    with pytest.raises(RuntimeError, match="GPU"):
+        flash_attn_varlen_func(g["q"], g["k"], g["v"], **kw)
+    with raises(NotImplementedError, "k_descale", "per request"):
+        flash_attn_varlen_func(g["q"], g["k"], g["v"], k_descale=torch.rand(2, HKV), **kw)
 
 
 def test_producer_roles_of_fp8_variants_are_disjoint():

@@ -26,9 +26,18 @@ next calls with the same, unchanged tensors only launch.
 ``window_size`` (sliding window, ``None`` or -1 = unbounded on a side), ``softcap`` and
 ``s_aux`` (vLLM's name for gpt-oss's attention sinks, float32 [Hq]) are served as
 podcute's ``window_size``, ``softcap`` and ``sinks``.
+fp8 KV caches (``k``/``v`` in ``torch.float8_e4m3fn`` or ``float8_e5m2``, e.g. vLLM's
+cache viewed as fp8) take 16-bit queries; ``k_descale`` / ``v_descale`` are their
+dequantisation scales, as in FlashAttention 3: float32 [B, Hkv] (per request and KV head),
+served when they do not vary across requests, i.e. the batch stride is 0 as in vLLM's
+``layer._k_scale.expand(descale_shape)`` (also accepted: [Hkv], [1], [] tensors; None =
+1.0). The values stay on the device (graph replays see new ones). As in FlashAttention 3,
+descale factors of a 16-bit input do nothing: ``q_descale`` with 16-bit queries (podcute's
+only queries) and ``k_descale``/``v_descale`` with a 16-bit cache are accepted and unused.
 Arguments that change results and that podcute does not implement raise
 ``NotImplementedError`` naming them: ``dropout_p > 0``, ``alibi_slopes``,
-``return_attn_probs``, ``q_v``, fp8 descale factors, ``seqused_q``, context parallelism.
+``return_attn_probs``, ``q_v``, descales that differ per request, ``seqused_q``, context
+parallelism.
 Arguments that only tune speed (``num_splits``, ``scheduler_metadata``, ``pack_gqa``,
 ``deterministic``, ``fa_version``, ``sm_margin``) are accepted and do not change the
 result: podcute's planner chooses its own splits, and its forward pass is deterministic
@@ -62,19 +71,14 @@ def _window(window_size) -> tuple:
     return tuple(-1 if side is None else side for side in window_size)
 
 
-def _check_semantics(dropout_p, alibi_slopes, return_attn_probs, q_v, q_descale, k_descale,
-                     v_descale, seqused_q, cp_world_size, cp_rank, cp_tot_seqused_k) -> None:
+def _check_semantics(dropout_p, alibi_slopes, return_attn_probs, q_v, seqused_q,
+                     cp_world_size, cp_rank, cp_tot_seqused_k) -> None:
     """Refuse every argument that would change the result and that podcute lacks."""
     if dropout_p:
         _unsupported("dropout_p", dropout_p, "inference attention: dropout must be 0")
     for name, value, why in (
             ("alibi_slopes", alibi_slopes, "no ALiBi"),
             ("q_v", q_v, "no separate value-query (MLA) input"),
-            ("q_descale", q_descale, "no fp8 queries"),
-            ("k_descale", k_descale, "fp8 KV caches go through podcute.PODAttention(kv_dtype="
-                                     "...) and run(k_scale=, v_scale=) for now"),
-            ("v_descale", v_descale, "fp8 KV caches go through podcute.PODAttention(kv_dtype="
-                                     "...) and run(k_scale=, v_scale=) for now"),
             ("seqused_q", seqused_q, "query lengths come from cu_seqlens_q"),
             ("cp_tot_seqused_k", cp_tot_seqused_k, "no context parallelism")):
         if value is not None:
@@ -84,6 +88,34 @@ def _check_semantics(dropout_p, alibi_slopes, return_attn_probs, q_v, q_descale,
                      "never materialised; use return_softmax_lse")
     if cp_world_size != 1 or cp_rank != 0:
         _unsupported("cp_world_size", cp_world_size, "no context parallelism")
+
+
+def _descale(name: str, d, fp8: bool):
+    """A FlashAttention-3 descale argument as run()'s k_scale/v_scale: None for a 16-bit
+    input (where FlashAttention ignores it too), else a float32 [Hkv] or [1] view of the
+    caller's tensor (never a copy: its values may change between graph replays)."""
+    if d is None:
+        return None
+    if not isinstance(d, torch.Tensor):
+        raise TypeError(f"{_WHERE}{name} must be a float32 tensor or None, got "
+                        f"{type(d).__name__}")
+    if not fp8:
+        return None
+    if d.dim() > 2:
+        raise ValueError(f"{_WHERE}{name} must be [batch_size, num_kv_heads], [num_kv_heads], "
+                         f"[1] or [], got shape {tuple(d.shape)}")
+    if d.dim() == 2:
+        # [B, Hkv]: one row serves every request only if the rows are one memory row
+        if d.shape[0] > 1 and d.stride(0) != 0:
+            _unsupported(name, "<tensor>", "descale factors that differ per request; pass one "
+                         "row for all, e.g. scale.expand(batch_size, num_kv_heads), or a "
+                         "[num_kv_heads] tensor")
+        if d.shape[0] == 0:
+            return None  # no requests
+        d = d[0]
+    if d.dim() == 1 and d.shape[0] > 1 and d.stride(0) == 0:
+        d = d[:1]  # one scale for every head
+    return d  # run() checks dtype, shape, device and alignment, naming k_scale/v_scale
 
 
 def _check_tensor(name: str, t, ndim: int) -> None:
@@ -129,16 +161,20 @@ def flash_attn_varlen_func(q, k, v, max_seqlen_q=None, cu_seqlens_q=None, max_se
     """Varlen attention over a paged (or contiguous) KV cache (module docstring)."""
     call = _Call.of(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k,
                     seqused_k, q_v, dropout_p, softmax_scale, causal, window_size, softcap,
-                    alibi_slopes, return_attn_probs, block_table, q_descale, k_descale,
-                    v_descale, s_aux, cp_world_size, cp_rank, cp_tot_seqused_k, page_table,
-                    seqused_q)
+                    alibi_slopes, return_attn_probs, block_table, q_descale, s_aux,
+                    cp_world_size, cp_rank, cp_tot_seqused_k, page_table, seqused_q)
     if return_lse is not None:
         return_softmax_lse = bool(return_lse)
     att = call.plan()
+    scales = {}
+    if k_descale is not None or v_descale is not None:
+        scales = dict(k_scale=_descale("k_descale", k_descale, att.fp8),
+                      v_scale=_descale("v_descale", v_descale, att.fp8))
     if not return_softmax_lse:
-        return att.run(q, call.k_cache, call.v_cache, out=out, sinks=s_aux)
+        return att.run(q, call.k_cache, call.v_cache, out=out, sinks=s_aux, **scales)
     lse = torch.empty(att.num_qo_heads, q.shape[0], dtype=torch.float32, device=q.device)
-    out, _ = att.run(q, call.k_cache, call.v_cache, out=out, lse=lse.t(), sinks=s_aux)
+    out, _ = att.run(q, call.k_cache, call.v_cache, out=out, lse=lse.t(), sinks=s_aux,
+                     **scales)
     return out, lse
 
 
@@ -153,7 +189,7 @@ def flash_attn_varlen_plan(q, k, v, max_seqlen_q=None, cu_seqlens_q=None, max_se
     the same arguments; `q`, `k`, `v` give shapes, dtype and device only."""
     _Call.of(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k, seqused_k,
              None, 0.0, softmax_scale, causal, window_size, softcap, None, False, block_table,
-             None, None, None, None, 1, 0, None, page_table, None).plan()
+             None, None, 1, 0, None, page_table, None).plan()
 
 
 class _Call:
@@ -173,8 +209,8 @@ class _Call:
     @staticmethod
     def of(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k, seqused_k, q_v,
            dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-           return_attn_probs, block_table, q_descale, k_descale, v_descale, s_aux,
-           cp_world_size, cp_rank, cp_tot_seqused_k, page_table, seqused_q) -> "_Call":
+           return_attn_probs, block_table, q_descale, s_aux, cp_world_size, cp_rank,
+           cp_tot_seqused_k, page_table, seqused_q) -> "_Call":
         if isinstance(max_seqlen_q, torch.Tensor):
             # Upstream order: (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k).
             (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) = (
@@ -184,10 +220,15 @@ class _Call:
                 raise ValueError("flash_attn_varlen_func: pass block_table or page_table, "
                                  "not both")
             block_table = page_table
-        _check_semantics(dropout_p, alibi_slopes, return_attn_probs, q_v, q_descale,
-                         k_descale, v_descale, seqused_q, cp_world_size, cp_rank,
-                         cp_tot_seqused_k)
-        window = _window(window_size)
+        if (dropout_p or return_attn_probs or alibi_slopes is not None or q_v is not None
+                or seqused_q is not None or cp_tot_seqused_k is not None
+                or cp_world_size != 1 or cp_rank != 0):
+            _check_semantics(dropout_p, alibi_slopes, return_attn_probs, q_v, seqused_q,
+                             cp_world_size, cp_rank, cp_tot_seqused_k)
+        if q_descale is not None and not isinstance(q_descale, torch.Tensor):
+            raise TypeError(f"{_WHERE}q_descale must be a float32 tensor or None, got "
+                            f"{type(q_descale).__name__}")
+        window = (-1, -1) if window_size is None else _window(window_size)
         softcap = 0.0 if softcap is None else softcap
         for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
             if m is not None and (isinstance(m, bool) or not isinstance(m, (int, np.integer))
@@ -228,9 +269,6 @@ class _Call:
             pages = dict(kv_indptr=cu_seqlens_k, kv_indices=_token_pages(k.shape[0]))
             index_args = (cu_seqlens_q, cu_seqlens_k)
 
-        if k.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            _unsupported("k.dtype", k.dtype, "fp8 KV caches go through podcute.PODAttention("
-                         "kv_dtype=...) or podcute.pod_attention(k_scale=, v_scale=) for now")
         att, planner = one_shot_for(q, k_cache, v_cache, "NHD", where=_WHERE,
                                     names=("q", "k", "v"))
 
