@@ -620,7 +620,8 @@ def one_shot_for(q, k_cache, v_cache, kv_layout: str, *, where: str = "",
         hit = _ONE_SHOT_FOR.get(memo)
     except (AttributeError, IndexError, TypeError):
         memo = hit = None
-    if hit is not None and type(q) is torch.Tensor and type(k_cache) is torch.Tensor:
+    if (hit is not None and type(q) is torch.Tensor and type(k_cache) is torch.Tensor
+            and type(v_cache) is torch.Tensor):
         return hit
     q_name, k_name, _ = names
     for name, t in zip(names, (q, k_cache, v_cache)):

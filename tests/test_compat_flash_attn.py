@@ -105,7 +105,7 @@ def test_unsupported_arguments_are_named(kw, name):
                                block_table=b["bt"], **kw)
 
 
-def test_descales_as_vllm_passes_them():
+def test_descales_as_vllm_passes_them(monkeypatch):
     """FlashAttention 3's descales: unused with 16-bit inputs (q_descale always: podcute's
     queries are 16-bit), and for an fp8 cache one [Hkv] or [1] row of a [B, Hkv] expand
     that run() receives as k_scale / v_scale, a view of the caller's memory (no copy)."""
@@ -115,6 +115,8 @@ def test_descales_as_vllm_passes_them():
     vllm_call(b, q_descale=ones, k_descale=ones, v_descale=ones)  # bf16 cache: unused
     with pytest.raises(TypeError, match="k_descale"):
         vllm_call(dict(b), k_descale=1.0)
+    with pytest.raises(TypeError, match="q_descale"):
+        vllm_call(dict(b), q_descale=1.0)
     seen = {}
     orig = podcute.PODAttention.run
 
@@ -124,12 +126,10 @@ def test_descales_as_vllm_passes_them():
 
     b8 = dict(b, k=b["k"].to(torch.float8_e4m3fn), v=b["v"].to(torch.float8_e4m3fn))
     per_head, scalar = torch.rand(HKV) + 0.5, torch.rand(1) + 0.5
-    try:
-        podcute.PODAttention.run = spy
+    with monkeypatch.context() as m:
+        m.setattr(podcute.PODAttention, "run", spy)
         vllm_call(b8, q_descale=ones, k_descale=per_head.expand(shape),
                   v_descale=scalar.expand(shape))
-    finally:
-        podcute.PODAttention.run = orig
     assert seen["k_scale"].shape == (HKV,) and seen["k_scale"].data_ptr() == per_head.data_ptr()
     assert seen["v_scale"].shape == (1,) and seen["v_scale"].data_ptr() == scalar.data_ptr()
     att = api.one_shot_attention(HQ, HKV, D, PS, torch.bfloat16, "NHD", torch.device("cpu"),

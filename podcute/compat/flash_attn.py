@@ -74,6 +74,10 @@ def _window(window_size) -> tuple:
 def _check_semantics(dropout_p, alibi_slopes, return_attn_probs, q_v, seqused_q,
                      cp_world_size, cp_rank, cp_tot_seqused_k) -> None:
     """Refuse every argument that would change the result and that podcute lacks."""
+    if not (dropout_p or return_attn_probs or alibi_slopes is not None or q_v is not None
+            or seqused_q is not None or cp_tot_seqused_k is not None
+            or cp_world_size != 1 or cp_rank != 0):
+        return  # every layer's call: nothing to refuse (skips building the table below)
     if dropout_p:
         _unsupported("dropout_p", dropout_p, "inference attention: dropout must be 0")
     for name, value, why in (
@@ -161,20 +165,17 @@ def flash_attn_varlen_func(q, k, v, max_seqlen_q=None, cu_seqlens_q=None, max_se
     """Varlen attention over a paged (or contiguous) KV cache (module docstring)."""
     call = _Call.of(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k,
                     seqused_k, q_v, dropout_p, softmax_scale, causal, window_size, softcap,
-                    alibi_slopes, return_attn_probs, block_table, q_descale, s_aux,
-                    cp_world_size, cp_rank, cp_tot_seqused_k, page_table, seqused_q)
+                    alibi_slopes, return_attn_probs, block_table, q_descale, k_descale,
+                    v_descale, cp_world_size, cp_rank, cp_tot_seqused_k, page_table,
+                    seqused_q)
     if return_lse is not None:
         return_softmax_lse = bool(return_lse)
     att = call.plan()
-    scales = {}
-    if k_descale is not None or v_descale is not None:
-        scales = dict(k_scale=_descale("k_descale", k_descale, att.fp8),
-                      v_scale=_descale("v_descale", v_descale, att.fp8))
     if not return_softmax_lse:
-        return att.run(q, call.k_cache, call.v_cache, out=out, sinks=s_aux, **scales)
+        return att.run(q, call.k_cache, call.v_cache, out=out, sinks=s_aux, **call.scales)
     lse = torch.empty(att.num_qo_heads, q.shape[0], dtype=torch.float32, device=q.device)
     out, _ = att.run(q, call.k_cache, call.v_cache, out=out, lse=lse.t(), sinks=s_aux,
-                     **scales)
+                     **call.scales)
     return out, lse
 
 
@@ -189,16 +190,17 @@ def flash_attn_varlen_plan(q, k, v, max_seqlen_q=None, cu_seqlens_q=None, max_se
     the same arguments; `q`, `k`, `v` give shapes, dtype and device only."""
     _Call.of(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k, seqused_k,
              None, 0.0, softmax_scale, causal, window_size, softcap, None, False, block_table,
-             None, None, 1, 0, None, page_table, None).plan()
+             None, None, None, 1, 0, None, page_table, None).plan()
 
 
 class _Call:
     """One call's arguments mapped onto podcute: the caches as the kernel reads them, the
     one-shot PODAttention of the configuration, and how to plan the batch."""
 
-    def __init__(self, att, planner, k_cache, v_cache, index_args, scalars, plan_fn):
+    def __init__(self, att, planner, k_cache, v_cache, scales, index_args, scalars, plan_fn):
         self.att, self.planner = att, planner
         self.k_cache, self.v_cache = k_cache, v_cache
+        self.scales = scales  # run()'s k_scale / v_scale keywords (fp8 caches)
         self._index_args, self._scalars, self._plan_fn = index_args, scalars, plan_fn
 
     def plan(self):
@@ -209,8 +211,8 @@ class _Call:
     @staticmethod
     def of(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k, seqused_k, q_v,
            dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-           return_attn_probs, block_table, q_descale, s_aux, cp_world_size, cp_rank,
-           cp_tot_seqused_k, page_table, seqused_q) -> "_Call":
+           return_attn_probs, block_table, q_descale, k_descale, v_descale, cp_world_size,
+           cp_rank, cp_tot_seqused_k, page_table, seqused_q) -> "_Call":
         if isinstance(max_seqlen_q, torch.Tensor):
             # Upstream order: (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k).
             (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) = (
@@ -220,15 +222,10 @@ class _Call:
                 raise ValueError("flash_attn_varlen_func: pass block_table or page_table, "
                                  "not both")
             block_table = page_table
-        if (dropout_p or return_attn_probs or alibi_slopes is not None or q_v is not None
-                or seqused_q is not None or cp_tot_seqused_k is not None
-                or cp_world_size != 1 or cp_rank != 0):
-            _check_semantics(dropout_p, alibi_slopes, return_attn_probs, q_v, seqused_q,
-                             cp_world_size, cp_rank, cp_tot_seqused_k)
-        if q_descale is not None and not isinstance(q_descale, torch.Tensor):
-            raise TypeError(f"{_WHERE}q_descale must be a float32 tensor or None, got "
-                            f"{type(q_descale).__name__}")
-        window = (-1, -1) if window_size is None else _window(window_size)
+        _check_semantics(dropout_p, alibi_slopes, return_attn_probs, q_v, seqused_q,
+                         cp_world_size, cp_rank, cp_tot_seqused_k)
+        _descale("q_descale", q_descale, fp8=False)  # its type only: 16-bit queries
+        window = _window(window_size)
         softcap = 0.0 if softcap is None else softcap
         for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
             if m is not None and (isinstance(m, bool) or not isinstance(m, (int, np.integer))
@@ -271,6 +268,10 @@ class _Call:
 
         att, planner = one_shot_for(q, k_cache, v_cache, "NHD", where=_WHERE,
                                     names=("q", "k", "v"))
+        scales = {}
+        if k_descale is not None or v_descale is not None:
+            scales = dict(k_scale=_descale("k_descale", k_descale, att.fp8),
+                          v_scale=_descale("v_descale", v_descale, att.fp8))
 
         def plan():
             # KV lengths from seqused_k, else from cu_seqlens_k (a device op when it lives
@@ -279,6 +280,6 @@ class _Call:
             att.plan(cu_seqlens_q, kv_lens, causal=causal, sm_scale=softmax_scale,
                      window_size=window, softcap=softcap, _kv_name="seqused_k", **pages)
 
-        return _Call(att, planner, k_cache, v_cache, index_args,
+        return _Call(att, planner, k_cache, v_cache, scales, index_args,
                      (causal, softmax_scale, page_size, block_table is None, window, softcap),
                      plan)
