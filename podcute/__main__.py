@@ -143,6 +143,9 @@ def main(argv=None) -> int:
                         help="compile: comma-separated KV cache types, 'none' (the cache in "
                              "q's dtype) or float8_e4m3fn / float8_e5m2 (fp8 caches: head "
                              "dims 64, 96, 128)")
+    parser.add_argument("--dtypes", default=None,
+                        help="compile: comma-separated query/output types (default: "
+                             "bfloat16; float16 compiles on first use unless listed)")
     args, rest = parser.parse_known_args(argv)
     if args.command == "demo":
         device, found = _hopper_device()
@@ -151,7 +154,7 @@ def main(argv=None) -> int:
         from podcute.compile import compile_all, shipped_variants
 
         variants = None
-        if args.features or args.head_dims or args.groups or args.kv_dtypes:
+        if args.features or args.head_dims or args.groups or args.kv_dtypes or args.dtypes:
             kw = {}
             try:
                 if args.features:
@@ -161,6 +164,8 @@ def main(argv=None) -> int:
                     kw["head_dims"] = tuple(int(x) for x in args.head_dims.split(","))
                 if args.groups:
                     kw["groups"] = tuple(int(x) for x in args.groups.split(","))
+                if args.dtypes:
+                    kw["dtypes"] = tuple(args.dtypes.split(","))
                 if args.kv_dtypes:
                     kw["kv_dtypes"] = tuple("" if k == "none" else k
                                             for k in args.kv_dtypes.split(","))

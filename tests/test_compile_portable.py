@@ -16,6 +16,7 @@ from podcute.kernels.config import WARP_MMA_ARCHS
 pytestmark = pytest.mark.compile
 
 FEATURES = "window+softcap+sinks"
+BOTH = "bfloat16,float16"  # the shipped set is bf16; the feature check covers fp16 too
 # Spill bytes ptxas is known to report, per target (0 elsewhere). Plain sm_90 (the
 # portable kernel forced on Hopper for testing; Hopper runs sm_90a by default): D 128
 # non-causal with LSE at G 1 spills 12 bytes since the byte-unit swizzle fix (a known
@@ -33,8 +34,9 @@ def _compile(arch: str, *args) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("arch", WARP_MMA_ARCHS)
 def test_portable_variants_compile_without_spills(arch):
     for args, want in (((), shipped_variants(arch)),
-                       (("--features", FEATURES, "--groups", "4"),
-                        shipped_variants(arch, groups=(4,), features=(FEATURES,)))):
+                       (("--features", FEATURES, "--groups", "4", "--dtypes", BOTH),
+                        shipped_variants(arch, groups=(4,), features=(FEATURES,),
+                                         dtypes=BOTH.split(",")))):
         log = _compile(arch, *args)
         assert log.returncode == 0, log.stdout[-3000:] + log.stderr[-3000:]
         lines = [l for l in log.stdout.splitlines() if l.startswith("[")]

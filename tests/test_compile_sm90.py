@@ -42,8 +42,10 @@ def test_no_register_spills(compile_log):
     assert max(spills) == 0, [l for l in text.splitlines() if "spill stores" in l and " 0 bytes" not in l]
 
 
+# The shipped set is bf16 (fp16 compiles on first use); these checks cover fp16 too.
+BOTH = ("bfloat16", "float16")
 FEATURE_ARGS = ["--features", "window+softcap+sinks", "--head-dims", "64,96,128,256",
-                "--groups", "4"]
+                "--groups", "4", "--dtypes", ",".join(BOTH)]
 
 
 def _compile_log(*args):
@@ -65,7 +67,7 @@ def test_feature_variants_compile_without_spills(feature_log):
     assert feature_log.returncode == 0, feature_log.stdout[-3000:] + feature_log.stderr[-3000:]
     lines = [l for l in feature_log.stdout.splitlines() if l.startswith("[")]
     want = shipped_variants(head_dims=(64, 96, 128, 256), groups=(4,),
-                            features=("window+softcap+sinks",))
+                            features=("window+softcap+sinks",), dtypes=BOTH)
     assert len(lines) == len(want) and all("window+softcap+sinks" in l for l in lines)
     _assert_no_spills(feature_log, len(want))
 
@@ -79,7 +81,7 @@ def _assert_no_spills(log, variants: int):
 
 
 FP8_ARGS = ["--kv-dtypes", "float8_e4m3fn,float8_e5m2", "--features", "window+softcap+sinks",
-            "--head-dims", "64,96,128", "--groups", "4"]
+            "--head-dims", "64,96,128", "--groups", "4", "--dtypes", ",".join(BOTH)]
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +97,7 @@ def test_fp8_variants_compile_without_spills(fp8_log):
     lines = [l for l in fp8_log.stdout.splitlines() if l.startswith("[")]
     want = shipped_variants(head_dims=(64, 96, 128), groups=(4,),
                             features=("window+softcap+sinks",),
-                            kv_dtypes=("float8_e4m3fn", "float8_e5m2"))
+                            kv_dtypes=("float8_e4m3fn", "float8_e5m2"), dtypes=BOTH)
     assert len(lines) == len(want) and all(" kv=float8_" in l for l in lines)
     for line in lines:
         assert re.search(r"wgmma=[1-9]", line) and re.search(r"setmaxnreg=[1-9]", line), line
