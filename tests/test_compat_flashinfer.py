@@ -140,7 +140,7 @@ def test_batch_pod_plan_errors_name_flashinfer_arguments(name, value, words):
     (dict(pos_encoding_mode="ROPE_LLAMA"), ["pos_encoding_mode", "NONE"]),
     (dict(rope_scale=1.0), ["rope_scale"]),
     (dict(rope_theta=1e4), ["rope_theta"]),
-    (dict(kv_data_type=torch.float8_e4m3fn), ["kv_data_type", "fp8"]),
+    (dict(kv_data_type=torch.float32), ["kv_data_type", "float8_e4m3fn"]),
     (dict(q_data_type=torch.float32), ["q_data_type", "bfloat16"]),
 ])
 @pytest.mark.parametrize("wrapper", ["batch_pod", "legacy"])
@@ -167,8 +167,8 @@ def test_window_left_is_a_left_window(wrapper):
     (dict(custom_mask_p=torch.ones(10, dtype=torch.bool)), ["custom_mask_p", "None"]),
     (dict(packed_custom_mask_p=torch.ones(2, dtype=torch.uint8)), ["packed_custom_mask_p"]),
     (dict(q_scale=0.5), ["q_scale", "fp8"]),
-    (dict(k_scale=2.0), ["k_scale"]),
-    (dict(v_scale=0.25), ["v_scale"]),
+    (dict(k_scale=2.0), ["k_scale", "kv_data_type", "float8"]),
+    (dict(v_scale=0.25), ["v_scale", "16 cache"]),
     (dict(use_fp16_qk_reduction=True), ["use_fp16_qk_reduction", "fp32"]),
 ])
 def test_batch_pod_unsupported_run_arguments_raise(kw, words):
@@ -478,7 +478,7 @@ def test_batch_attention_plan():
     (dict(logits_soft_cap="30"), TypeError, ["logits_soft_cap", "float"]),
     (dict(head_dim_vo=64), NotImplementedError, ["head_dim_vo", "head_dim_qk"]),
     (dict(use_profiler=True), NotImplementedError, ["use_profiler"]),
-    (dict(kv_data_type=torch.float8_e5m2), NotImplementedError, ["kv_data_type"]),
+    (dict(kv_data_type=torch.int8), NotImplementedError, ["kv_data_type", "float8_e5m2"]),
     (dict(head_dim_qk=80, head_dim_vo=80), ValueError, ["head_dim_qk", "64, 96, 128"]),
     (dict(qo_indptr=i32(0, 20, 19)), ValueError, ["qo_indptr", "non-decreasing"]),
     (dict(kv_len_arr=i32(40, 40)), ValueError, ["kv_len_arr\\[1\\]", "pages"]),
@@ -493,7 +493,7 @@ def test_batch_attention_plan_errors(kw, exc, words):
 
 
 @pytest.mark.parametrize("kw, words", [
-    (dict(k_scale=0.5), ["k_scale"]),
+    (dict(k_scale=0.5), ["k_scale", "kv_data_type"]),
     (dict(v_scale=torch.tensor(2.0)), ["v_scale", "Tensor"]),
     (dict(profiler_buffer=torch.zeros(4)), ["profiler_buffer"]),
     (dict(kv_cache_sf=torch.zeros(4)), ["kv_cache_sf", "NVFP4"]),
@@ -527,3 +527,75 @@ def test_batch_attention_run_validates_then_needs_hopper():
 
 def test_lse_base():
     assert LOG2E == pytest.approx(1 / math.log(2), rel=1e-15)
+
+
+# --------------------------------------------------------------------------------------
+# fp8 KV caches (kv_data_type float8, k_scale / v_scale at run())
+# --------------------------------------------------------------------------------------
+
+E4M3 = torch.float8_e4m3fn
+
+
+def _fp8(kv):
+    return kv.to(E4M3)
+
+
+@pytest.mark.parametrize("kv_data_type", [E4M3, "float8_e5m2"])
+def test_fp8_plans_select_fp8_variants(kv_data_type):
+    want = E4M3 if kv_data_type is E4M3 else torch.float8_e5m2
+    for attn in (batch_pod(kv_data_type=kv_data_type)._attn,
+                 legacy(kv_data_type=kv_data_type)._decode,
+                 batch_attention(q_data_type=BF16, kv_data_type=kv_data_type)._attn):
+        assert attn.fp8 and attn.kv_dtype == want and attn.dtype == BF16
+        assert attn.current_plan is not None
+
+
+def test_fp8_plan_refuses_head_dim_256_by_flashinfer_name():
+    with raises(ValueError, "head_dim", "256"):
+        BatchPODWithPagedKVCacheWrapper(workspace()).plan(
+            **PREFILL, **DECODE, **{**HEADS, "head_dim": 256}, q_data_type=BF16,
+            kv_data_type=E4M3)
+
+
+@pytest.mark.parametrize("scale", [0.5, torch.tensor(0.5), torch.full((HKV,), 0.25), None])
+def test_batch_pod_fp8_run_takes_scales(scale):
+    w = batch_pod(kv_data_type=E4M3)
+    q_p, q_d, kv = pod_inputs()
+    kv8 = _fp8(kv)
+    with raises(RuntimeError, "Hopper"):  # checked, then the device check
+        w.run(q_p, kv8, q_d, kv8, k_scale=scale, v_scale=scale)
+    with raises(TypeError, "paged_kv_cache_p", "float8_e4m3fn"):  # a bf16 cache for an fp8 plan
+        w.run(q_p, kv, q_d, kv, k_scale=scale)
+
+
+@pytest.mark.parametrize("kw, exc, words", [
+    (dict(k_scale=-1.0), ValueError, ["k_scale", "> 0"]),
+    (dict(v_scale=float("inf")), ValueError, ["v_scale", "finite"]),
+    (dict(k_scale=torch.ones(3)), ValueError, ["k_scale", "num_kv_heads"]),
+    (dict(v_scale=torch.ones(HKV, dtype=torch.float64)), TypeError, ["v_scale", "float32"]),
+    (dict(k_scale="1"), TypeError, ["k_scale", "float"]),
+    (dict(q_scale=0.5), NotImplementedError, ["q_scale", "bf16/fp16"]),
+])
+def test_fp8_run_refuses_bad_scales(kw, exc, words):
+    q_p, q_d, kv = pod_inputs()
+    kv8 = _fp8(kv)
+    with raises(exc, *words):
+        batch_pod(kv_data_type=E4M3).run(q_p, kv8, q_d, kv8, **kw)
+    if "q_scale" not in kw:
+        with raises(exc, *words):
+            batch_attention(q_data_type=BF16, kv_data_type=E4M3).run(
+                torch.randn(21, HQ, D, dtype=BF16), kv8, **kw)
+
+
+def test_legacy_fp8_decode_cache_with_16bit_prefill():
+    """FlashInfer's older POD wrapper: the paged decode cache in fp8 (its scales), the
+    prefill's ragged K/V in q's dtype."""
+    w = legacy(kv_data_type=E4M3)
+    q_p, k_p, v_p, q_d, kv = legacy_inputs()
+    kv8 = _fp8(kv)
+    with raises(RuntimeError, "Hopper"):
+        w.run(q_p, k_p, v_p, q_d, kv8, k_scale=0.5, v_scale=2.0)
+    with raises(TypeError, "paged_kv_cache_d", "float8_e4m3fn"):
+        w.run(q_p, k_p, v_p, q_d, kv, k_scale=0.5)
+    with raises(ValueError, "k_scale", "> 0"):
+        w.run(q_p, k_p, v_p, q_d, kv8, k_scale=0.0)

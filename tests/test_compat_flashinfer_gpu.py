@@ -229,3 +229,98 @@ def test_batch_attention_matches_reference(page):
     o, l = w.run(q, pool_of(b))  # fresh buffers
     torch.cuda.synchronize()
     check(f"BatchAttention page {page} fresh", o[:total], l[:total], ref, ref_lse)
+
+
+# --------------------------------------------------------------------------------------
+# fp8 KV caches: kv_data_type e4m3, k_scale / v_scale at run()
+# --------------------------------------------------------------------------------------
+
+FP8_TOL = 1e-2  # issue 11's bound with 16-bit queries, against the dequantised cache
+
+
+def quantized_pool(b, per_head):
+    """b's [P, 2, ...] pool in e4m3 (K and V halves quantised apart, FlashInfer's layout)
+    with its scales (floats for per-tensor, [Hkv] tensors per head) and b with the
+    dequantised caches for the reference."""
+    import dataclasses
+
+    from podcute.testing import quantize_kv_cache
+
+    k8, ks = quantize_kv_cache(b.k_cache, b.kv_layout, per_head=per_head)
+    v8, vs = quantize_kv_cache(b.v_cache, b.kv_layout, per_head=per_head)
+    pool8 = torch.stack([k8, v8], dim=1)
+    shape = (1, 1, -1, 1) if b.kv_layout == "NHD" else (1, -1, 1, 1)
+
+    def deq(x8, s):
+        return (x8.float() * (s.view(shape) if per_head else s)).to(BF16)
+
+    ref_b = dataclasses.replace(b, k_cache=deq(k8, ks), v_cache=deq(v8, vs))
+    scales = (ks, vs) if per_head else (ks.item(), vs.item())
+    return pool8, scales, ref_b
+
+
+def check_fp8(name, out, ref):
+    assert not out.isnan().any(), f"{name}: unwritten or NaN output"
+    rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert rel <= FP8_TOL, f"{name}: rel L2 {rel:.2e} > {FP8_TOL:.0e}"
+
+
+@pytest.mark.parametrize("per_head", [True, False])
+def test_batch_pod_fp8_cache(per_head):
+    """One launch over an e4m3 pool; the scales apply to both sides (the same cache)."""
+    b = mixed_batch(16, "NHD", seed=30)
+    Bp, total_p = len(PREFILL[0]), sum(PREFILL[0])
+    pool8, (ks, vs), ref_b = quantized_pool(b, per_head)
+    ref, ref_lse = ref_b.reference(causal=True, return_lse=True)
+    w = BatchPODWithPagedKVCacheWrapper(workspace(), "NHD")
+    w.plan(**dict(pod_plan_args(b, Bp, on_cpu=True), kv_data_type=torch.float8_e4m3fn))
+    poison_allocator()
+    (out_p, out_d), (lse_p, lse_d) = w.run(b.q[:total_p], pool8, b.q[total_p:], pool8,
+                                           causal_p=True, return_lse=True, k_scale=ks,
+                                           v_scale=vs)
+    torch.cuda.synchronize()
+    check_fp8("BatchPOD fp8 prefill", out_p, ref[:total_p])
+    check_fp8("BatchPOD fp8 decode", out_d, ref[total_p:])
+    fin = torch.isfinite(ref_lse)
+    err = (torch.cat([lse_p, lse_d]) * math.log(2) - ref_lse)[fin].abs().max().item()
+    assert err <= 1e-2, f"BatchPOD fp8 LSE error {err:.2e}"
+
+
+def test_legacy_pod_fp8_decode_cache():
+    """The older wrapper: the decode pool in e4m3 with float scales, the prefill's ragged
+    K/V in bf16."""
+    qo_len, kv_len = 100, 320
+    dec = make_batch([1] * len(DECODE_KV), DECODE_KV, num_qo_heads=HQ, num_kv_heads=HKV,
+                     head_dim=D, page_size=16, dtype=BF16, device="cuda",
+                     page_format="csr", interleaved=True, seed=31)
+    pool8, (ks, vs), ref_dec = quantized_pool(dec, per_head=False)
+    gen = torch.Generator(device="cuda").manual_seed(31)
+    k_p, v_p = (torch.randn(kv_len, HKV, D, generator=gen, device="cuda", dtype=BF16)
+                for _ in range(2))
+    q_p = torch.randn(qo_len, HQ, D, generator=gen, device="cuda", dtype=BF16)
+    w = PODWithPagedKVCacheWrapper(workspace(), "NHD")
+    w.plan(dec.kv_indptr, dec.kv_indices, dec.last_page_len, HQ, HKV, D, 16,
+           q_data_type=BF16, kv_data_type=torch.float8_e4m3fn)
+    poison_allocator()
+    out_p, out_d = w.run(q_p, k_p, v_p, dec.q, pool8, causal_p=True, k_scale=ks, v_scale=vs)
+    torch.cuda.synchronize()
+    i32 = dict(dtype=torch.int32, device="cuda")
+    ref_p = pod_attention_reference(
+        q_p, k_p.unsqueeze(1), v_p.unsqueeze(1),
+        cu_seqlens_q=torch.tensor([0, qo_len], **i32), seqused_k=torch.tensor([kv_len], **i32),
+        kv_indptr=torch.tensor([0, kv_len], **i32), kv_indices=torch.arange(kv_len, **i32))
+    check("legacy POD fp8 prefill (bf16 K/V)", out_p, None, ref_p, None)
+    check_fp8("legacy POD fp8 decode", out_d, ref_dec.reference(causal=True))
+
+
+def test_batch_attention_fp8_cache():
+    b = mixed_batch(1, "NHD", seed=32)
+    pool8, (ks, vs), ref_b = quantized_pool(b, per_head=True)
+    ref = ref_b.reference(causal=True)
+    w = BatchAttention("NHD", device="cuda")
+    w.plan(b.cu_seqlens_q, b.kv_indptr, b.kv_indices, b.seqused_k, HQ, HKV, D, D, 1,
+           causal=True, q_data_type=BF16, kv_data_type=torch.float8_e4m3fn)
+    poison_allocator()
+    out, lse = w.run(b.q, pool8, k_scale=ks, v_scale=vs)
+    torch.cuda.synchronize()
+    check_fp8("BatchAttention fp8", out, ref)

@@ -31,8 +31,17 @@ How FlashInfer's conventions map onto podcute:
 - features podcute does not implement raise ``NotImplementedError`` naming the argument
   and what is supported: ``pos_encoding_mode`` other than ``"NONE"``,
   ``rope_scale``/``rope_theta``, custom
-  masks, fp8 scales other than None/1, KV dtypes other than q's (fp8), ``head_dim_qk !=
-  head_dim_vo``, fp16 QK reduction, the profiler, NVFP4 scale factors, ``jit_args``;
+  masks, fp8 queries (``q_scale`` other than None/1), KV dtypes other than q's or fp8,
+  ``head_dim_qk != head_dim_vo``, fp16 QK reduction, the profiler, NVFP4 scale factors,
+  ``jit_args``;
+- fp8 KV caches: plan with ``kv_data_type=torch.float8_e4m3fn`` (or ``float8_e5m2``) and
+  bf16/fp16 ``q_data_type``; run()'s ``k_scale``/``v_scale`` (Python floats as FlashInfer
+  takes them, or podcute's float32 device tensors of shape [] or [Hkv]) dequantise the
+  cache, keys ``k * k_scale`` and values ``v * v_scale``, inside the kernel
+  (``PODAttention.run``). With a 16-bit cache they must be None or 1. One difference from
+  FlashInfer: its ``BatchPODWithPagedKVCacheWrapper.run`` scales only the decode side
+  (its prefill side computes on the unscaled fp8 values); here both sides read the same
+  cache in one launch, and the scales apply to both;
 - arguments that only tune speed (``non_blocking``, ``enable_pdl``) are accepted and
   change nothing: podcute's host->device copies are always non-blocking, and it does not
   use programmatic dependent launch;
@@ -56,8 +65,8 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from podcute.api import (_DTYPES, KV_LAYOUTS, PODAttention, _check_index, _check_int,
-                         _same_device)
+from podcute.api import (_DTYPES, _FP8_DTYPES, KV_LAYOUTS, PODAttention, _check_index,
+                         _check_int, _same_device, _scale_tensor)
 from podcute.plan import CapacityError, _host_arrays
 
 __all__ = ["BatchPODWithPagedKVCacheWrapper", "PODWithPagedKVCacheWrapper", "BatchAttention",
@@ -93,9 +102,11 @@ _FEATURES = {
     "rope_theta": (_is_none, "None (no RoPE inside attention)"),
     "custom_mask": (_is_none, "None (causal or no mask)"),
     "packed_custom_mask": (_is_none, "None (causal or no mask)"),
-    "q_scale": (_is_unit, "None or 1.0 (bf16/fp16 inputs, no fp8)"),
-    "k_scale": (_is_unit, "None or 1.0 (bf16/fp16 caches, no fp8)"),
-    "v_scale": (_is_unit, "None or 1.0 (bf16/fp16 caches, no fp8)"),
+    "q_scale": (_is_unit, "None or 1.0 (queries are bf16/fp16, never fp8)"),
+    "k_scale": (_is_unit, "None or 1.0 with a bf16/fp16 cache; plan kv_data_type="
+                "torch.float8_e4m3fn or float8_e5m2 for an fp8 cache and its scales"),
+    "v_scale": (_is_unit, "None or 1.0 with a bf16/fp16 cache; plan kv_data_type="
+                "torch.float8_e4m3fn or float8_e5m2 for an fp8 cache and its scales"),
     "use_fp16_qk_reduction": (lambda v: v is False, "False (QK is accumulated in fp32)"),
     "use_profiler": (lambda v: v is False, "False"),
     "profiler_buffer": (_is_none, "None (no profiler)"),
@@ -158,10 +169,10 @@ def _as_dtype(name, dtype) -> torch.dtype:
     return dtype
 
 
-def _plan_dtype(q_data_type, kv_data_type=None, data_type=None) -> torch.dtype:
+def _plan_dtype(q_data_type, kv_data_type=None, data_type=None) -> tuple:
     """FlashInfer's dtype arguments resolved its way (the deprecated `data_type` fills
-    whichever of the two is None; kv_data_type defaults to q's): podcute needs one
-    bf16/fp16 dtype for q, K, V and the output."""
+    whichever of the two is None; kv_data_type defaults to q's): (q's dtype, the cache's).
+    podcute takes bf16/fp16 queries (and output) over a cache in q's dtype or in fp8."""
     if data_type is not None:
         q_data_type = data_type if q_data_type is None else q_data_type
         kv_data_type = data_type if kv_data_type is None else kv_data_type
@@ -170,12 +181,24 @@ def _plan_dtype(q_data_type, kv_data_type=None, data_type=None) -> torch.dtype:
     if q not in _DTYPES:
         raise NotImplementedError(f"q_data_type={q} is not supported by podcute (supported: "
                                   "torch.bfloat16, torch.float16)")
-    if kv != q:
+    if kv != q and kv not in _FP8_DTYPES:
         raise NotImplementedError(f"kv_data_type={kv} with q_data_type={q} is not supported by "
-                                  "podcute's FlashInfer wrappers (supported: the KV cache in q's "
-                                  "dtype; fp8 caches go through podcute.PODAttention(kv_dtype=...) "
-                                  "for now)")
-    return q
+                                  "podcute (supported: q's dtype, torch.float8_e4m3fn, "
+                                  "torch.float8_e5m2)")
+    return q, kv
+
+
+def _scales(attn: PODAttention, q_scale, k_scale, v_scale) -> dict:
+    """run()'s fp8 scales as PODAttention.run's keyword arguments, checked now (before a
+    wrapper's first launch): k_scale/v_scale as the kernel's tensors for an fp8 cache,
+    none for a 16-bit one (which takes only None or 1, as does q_scale: queries are never
+    fp8)."""
+    _check_features(q_scale=q_scale)
+    if not attn.fp8:
+        _check_features(k_scale=k_scale, v_scale=v_scale)
+        return {}
+    return {name: _scale_tensor(name, x, attn.num_kv_heads, attn.device, attn._scales)
+            for name, x in (("k_scale", k_scale), ("v_scale", v_scale))}
 
 
 def _workspace_device(buf, name="float_workspace_buffer") -> torch.device:
@@ -260,7 +283,8 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _check_cache_dtype(name, k, v, dtype) -> None:
     if k.dtype != dtype or v.dtype != dtype:
-        raise TypeError(f"{name} must be {dtype} (plan()'s kv_data_type), got {k.dtype}")
+        got = k.dtype if k.dtype != dtype else v.dtype
+        raise TypeError(f"{name} must be {dtype} (plan()'s kv_data_type), got {got}")
 
 
 def _check_q(name, q, attn: PODAttention, rows: int, exact=False) -> None:
@@ -316,16 +340,17 @@ class _Wrapper:
         self._attns: dict = {}
 
     def _attention(self, role, num_qo_heads, num_kv_heads, head_dim, page_size, dtype,
-                   head_dim_name="head_dim") -> PODAttention:
+                   kv_dtype=None, head_dim_name="head_dim") -> PODAttention:
         for name, v in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
                         (head_dim_name, head_dim), ("page_size", page_size)):
             _check_int(name, v)
-        key = (role, num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
+        key = (role, num_qo_heads, num_kv_heads, head_dim, page_size, dtype, kv_dtype)
         attn = self._attns.get(key)
         if attn is None:
-            with _flashinfer_names({"head_dim": head_dim_name}):
+            with _flashinfer_names({"head_dim": head_dim_name, "kv_dtype": "kv_data_type"}):
                 attn = PODAttention(num_qo_heads, num_kv_heads, head_dim, page_size,
-                                    dtype=dtype, kv_layout=self._kv_layout, device=self.device)
+                                    dtype=dtype, kv_layout=self._kv_layout, device=self.device,
+                                    kv_dtype=kv_dtype)
             self._attns[key] = attn
         return attn
 
@@ -392,9 +417,10 @@ class BatchPODWithPagedKVCacheWrapper(_Wrapper):
                         rope_theta=rope_theta)
         window = _window("window_left", window_left)
         _check_bool("non_blocking", non_blocking)
-        dtype = _plan_dtype(q_data_type, kv_data_type, data_type)
+        dtype, kv_dtype = _plan_dtype(q_data_type, kv_data_type, data_type)
         self._attn = self._batch = None  # a failed plan() leaves no stale plan behind
-        attn = self._attention("pod", num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
+        attn = self._attention("pod", num_qo_heads, num_kv_heads, head_dim, page_size, dtype,
+                               kv_dtype)
         named = {}
         for side, tensors in (("p", (qo_indptr_p, kv_indptr_p, kv_indices_p, last_page_len_p)),
                               ("d", (qo_indptr_d, kv_indptr_d, kv_indices_d, last_page_len_d))):
@@ -460,12 +486,12 @@ class BatchPODWithPagedKVCacheWrapper(_Wrapper):
         ``[rows, num_qo_heads]``. The outputs are views of one fresh buffer per call.
         """
         _check_features(custom_mask_p=custom_mask_p, packed_custom_mask_p=packed_custom_mask_p,
-                        q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
                         use_fp16_qk_reduction=use_fp16_qk_reduction)
         _check_bool("causal_p", causal_p)
         _check_bool("return_lse", return_lse)
         _check_bool("enable_pdl", enable_pdl, optional=True)
         attn, b = _require_plan(self._attn), self._batch
+        scales = _scales(attn, q_scale, k_scale, v_scale)
         _check_q("q_p", q_p, attn, b.total_p, exact=True)
         _check_q("q_d", q_d, attn, b.total_d)
         k, v = unpack_paged_kv_cache(paged_kv_cache_p, self._kv_layout, "paged_kv_cache_p")
@@ -473,7 +499,7 @@ class BatchPODWithPagedKVCacheWrapper(_Wrapper):
         if not (_same_view(k, k_d) and _same_view(v, v_d)):
             raise NotImplementedError("paged_kv_cache_p and paged_kv_cache_d must be the same "
                                       "KV cache: podcute's one launch reads one cache")
-        _check_cache_dtype("paged_kv_cache_p", k, v, attn.dtype)
+        _check_cache_dtype("paged_kv_cache_p", k, v, attn.kv_dtype)
         if causal_p and b.max_q_d > 1:
             raise NotImplementedError(
                 f"causal_p=True with a decode request of {b.max_q_d} query tokens is not "
@@ -490,7 +516,7 @@ class BatchPODWithPagedKVCacheWrapper(_Wrapper):
             rows = q_p.shape[0] + q_d.shape[0]
             q = self._stage_rows(attn, rows)[:rows]
             torch.cat((q_p, q_d), out=q)
-        res = attn.run(q, k, v, return_lse=return_lse)
+        res = attn.run(q, k, v, return_lse=return_lse, **scales)
         if _capturing():
             self._captured_rows_p = b.total_p
         n = q_p.shape[0]
@@ -604,9 +630,10 @@ class PODWithPagedKVCacheWrapper(_Wrapper):
                         rope_theta=rope_theta)
         window = _window("window_left", window_left)
         _check_bool("non_blocking", non_blocking)
-        dtype = _plan_dtype(q_data_type, kv_data_type, data_type)
+        dtype, kv_dtype = _plan_dtype(q_data_type, kv_data_type, data_type)
         self._decode = None
-        attn = self._attention("decode", num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
+        attn = self._attention("decode", num_qo_heads, num_kv_heads, head_dim, page_size, dtype,
+                               kv_dtype)
         _check_index("last_page_len", last_page_len, attn.device, 1)
         B = last_page_len.shape[0]
         _check_index("indptr", indptr, attn.device, 1, B + 1)
@@ -653,7 +680,6 @@ class PODWithPagedKVCacheWrapper(_Wrapper):
             rope_scale_p=rope_scale_p, rope_theta_p=rope_theta_p, custom_mask_d=custom_mask_d,
             packed_custom_mask_d=packed_custom_mask_d, pos_encoding_mode_d=pos_encoding_mode_d,
             rope_scale_d=rope_scale_d, rope_theta_d=rope_theta_d,
-            q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
             use_fp16_qk_reduction=use_fp16_qk_reduction)
         for name, v in (("causal_p", causal_p), ("return_lse_p", return_lse_p),
                         ("causal_d", causal_d), ("return_lse_d", return_lse_d)):
@@ -663,6 +689,7 @@ class PODWithPagedKVCacheWrapper(_Wrapper):
         _check_layout("kv_layout_d", kv_layout_d)
         window_p = _window("window_left_p", window_left_p)
         decode = _require_plan(self._decode)
+        scales = _scales(decode, q_scale, k_scale, v_scale)  # the decode side's, as FlashInfer
         planned = decode.current_plan.options.window_left
         if _window("window_left_d", window_left_d)[0] not in (-1, planned):
             raise ValueError(f"window_left_d={window_left_d} differs from plan()'s window_left "
@@ -674,8 +701,8 @@ class PODWithPagedKVCacheWrapper(_Wrapper):
                                                        sm_scale_p, window_p)
         _check_q("q_d", q_d, decode, decode.current_plan.total_q)
         k_d, v_d = unpack_paged_kv_cache(paged_kv_cache_d, self._kv_layout, "paged_kv_cache_d")
-        _check_cache_dtype("paged_kv_cache_d", k_d, v_d, decode.dtype)
-        return prefill.run(q_p, k_pages, v_pages), decode.run(q_d, k_d, v_d)
+        _check_cache_dtype("paged_kv_cache_d", k_d, v_d, decode.kv_dtype)
+        return prefill.run(q_p, k_pages, v_pages), decode.run(q_d, k_d, v_d, **scales)
 
     def _plan_prefill(self, q_p, k_p, v_p, kv_layout_p, causal_p, sm_scale_p, window_p):
         """Check the prefill's tensors, plan it (unless planned already for this shape) and
@@ -750,10 +777,10 @@ class BatchAttention(_Wrapper):
             raise NotImplementedError(f"head_dim_vo={head_dim_vo} with head_dim_qk="
                                       f"{head_dim_qk} is not supported by podcute (supported: "
                                       "head_dim_vo == head_dim_qk)")
-        dtype = _plan_dtype(q_data_type, kv_data_type)
+        dtype, kv_dtype = _plan_dtype(q_data_type, kv_data_type)
         self._attn = None
         attn = self._attention("batch", num_qo_heads, num_kv_heads, head_dim_qk, page_size,
-                               dtype, head_dim_name="head_dim_qk")
+                               dtype, kv_dtype, head_dim_name="head_dim_qk")
         with _flashinfer_names({"cu_seqlens_q": "qo_indptr"}):
             attn.plan(qo_indptr, kv_len_arr, kv_indptr=kv_indptr, kv_indices=kv_indices,
                       causal=causal, sm_scale=sm_scale, softcap=softcap, _kv_name="kv_len_arr")
@@ -764,14 +791,14 @@ class BatchAttention(_Wrapper):
         """Attention of the planned batch. Returns ``(out, lse)``: out [rows, Hq, D] in
         q's dtype, lse float32 [rows, Hq] in base 2 (FlashInfer's); ``out``/``lse`` are
         filled when given (rows past ``qo_indptr[-1]`` are left as they are)."""
-        _check_features(k_scale=k_scale, v_scale=v_scale, profiler_buffer=profiler_buffer,
-                        kv_cache_sf=kv_cache_sf)
+        _check_features(profiler_buffer=profiler_buffer, kv_cache_sf=kv_cache_sf)
         attn = _require_plan(self._attn)
+        scales = _scales(attn, None, k_scale, v_scale)
         cap = _softcap("logits_soft_cap", logits_soft_cap)
         if cap not in (0.0, attn.current_plan.options.softcap):
             raise ValueError(f"logits_soft_cap={logits_soft_cap} differs from plan()'s "
                              f"({attn.current_plan.options.softcap}); pass it to plan()")
         k, v = unpack_paged_kv_cache(kv_cache, self._kv_layout, "kv_cache")
-        out, lse = attn.run(q, k, v, out=out, return_lse=True, lse=lse)
+        out, lse = attn.run(q, k, v, out=out, return_lse=True, lse=lse, **scales)
         lse[: attn.current_plan.total_q].mul_(LOG2E)
         return out, lse
