@@ -24,7 +24,8 @@ VARIANTS = sorted({
     ("bfloat16", 64, 4, True, True, 128), ("float16", 128, 4, False, True, 64),
     ("bfloat16", 128, 4, True, True, 128), ("bfloat16", 128, 4, True, True, 1),
     ("bfloat16", 128, 8, True, True, 8), ("float16", 64, 8, True, True, 256),
-    ("bfloat16", 128, 7, True, True, 32),
+    ("bfloat16", 128, 7, True, True, 32), ("bfloat16", 128, 8, True, True, 16),
+    ("bfloat16", 128, 8, True, True, 1),
     # tests/test_graph_gpu.py
     ("float16", 64, 1, True, True, 16),
     # tests/gpu_sanitize.py
@@ -62,12 +63,13 @@ def main(argv=None) -> int:
                 return None
             raise
 
-    from podcute.testing import feature_test_variants, fp8_test_variants
+    from podcute.testing import feature_test_variants, fp8_test_variants, wide_test_variants
 
     cfgs = []
     if args.only != "fp8":
         cfgs += [select(*v) for v in VARIANTS]
         cfgs += [select(**kw) for kw in feature_test_variants()]
+        cfgs += [select(**kw) for kw in wide_test_variants()]  # test_random_wide
         # tests/gpu_sanitize.py's feature cases
         cfgs += [select("bfloat16", 128, g, True, True, page, **f)
                  for g, page, f in ((4, 16, dict(window=True, softcap=True, has_sinks=True)),

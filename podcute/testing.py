@@ -10,6 +10,7 @@ import math
 import random
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from podcute.reference import pod_attention_reference
@@ -251,6 +252,36 @@ def mixed_lengths(rng: random.Random, n: int, causal: bool, max_kv_len: int, dec
     return q_lens, kv_lens
 
 
+def handover_lengths(num_prefill: int, num_decode: int, group: int, seed: int = 0):
+    """(q_lens, kv_lens) of a shuffled batch that stresses the decode hand-over's first use
+    in a CTA list: prefills of 192 packed rows (the last m-block's 64 rows are all MMA
+    warpgroup 0's, so warpgroup 1 leaves that tile at once) and single-tile decodes
+    (kv_len <= 128: warpgroup 1 has no KV tile and goes straight to the hand-over, whose
+    scratch is warpgroup 0's O staging tile). `group`: query heads per KV head (8 or 4)."""
+    rng = random.Random(seed)
+    reqs = [(192 // group, rng.randint(192 // group, 400)) for _ in range(num_prefill)]
+    reqs += [(1, rng.randint(1, 128)) for _ in range(num_decode)]
+    rng.shuffle(reqs)
+    return [r[0] for r in reqs], [r[1] for r in reqs]
+
+
+def handover_transitions(plan) -> int:
+    """CTA lists of `plan` in which a prefill item of at most 64 packed rows comes right
+    before the list's first decode item (the case `handover_lengths` is built for)."""
+    from podcute.kernels.metadata import KIND_BITS, KIND_MASK, Kind, WorkCol
+
+    work = plan.work.cpu().numpy()
+    kind = work[:, WorkCol.KIND]
+    decode = (kind & KIND_MASK) == int(Kind.DECODE)
+    small = (work[:, WorkCol.ROW_END] - work[:, WorkCol.ROW_START]) <= 64
+    first_decode = decode & ((kind >> KIND_BITS) == 0)
+    ptr = plan.cta_ptr.cpu().numpy()
+    ends = np.zeros(len(work), dtype=bool)  # the last item of each list has no successor
+    ends[ptr[1:][ptr[1:] > 0] - 1] = True
+    hit = ~decode[:-1] & small[:-1] & first_decode[1:] & ~ends[:-1]
+    return int(hit.sum())
+
+
 # ---- the model-feature GPU cases (tests/test_kernel_gpu.py; perf.warm_cache compiles
 # their variants ahead of a device run) ---------------------------------------------------
 
@@ -328,6 +359,23 @@ def _select_kwargs(c: dict) -> dict:
     if "kv" in c:
         kw["kv_dtype"] = str(FP8_KV[c["kv"]]).replace("torch.", "")
     return kw
+
+
+# The wide random sweep (tests/test_kernel_gpu.py::test_random_wide): each seed draws a
+# (query heads, KV heads, head_dim) shape, a dtype, causal or not, LSE or not, a layout,
+# a page format and a page size; its lengths come from mixed_lengths.
+WIDE_SHAPES = [(32, 8, 128), (28, 4, 128), (16, 16, 64), (64, 8, 128), (32, 4, 64),
+               (40, 8, 96)]
+WIDE_PAGES = [1, 2, 8, 16, 32, 64, 128, 256]
+
+
+def wide_test_variants():
+    """KernelConfig.select keyword arguments of every variant the wide sweep can draw."""
+    return [_select_kwargs(dict(CHECK_DEFAULTS, hq=hq, hkv=hkv, d=d, page=page,
+                                dtype=dtype, causal=causal)) | dict(has_lse=lse)
+            for hq, hkv, d in WIDE_SHAPES for page in (1, 16, 128)
+            for dtype in (torch.bfloat16, torch.float16) for causal in (True, False)
+            for lse in (True, False)]
 
 
 def feature_test_variants():

@@ -7,7 +7,8 @@ page 16, whole-tile TMA boxes with a zeroed V tail at page 128), D 64 and 128, s
 with the in-kernel merge, decode items (both MMA warpgroups, combined in shared memory),
 prefill items (ping-pong), causal and not, and a CUDA graph captured without splits
 replayed after a plan with splits. Exits non-zero if an output is wrong; the sanitizer
-reports the rest. `--small` shrinks the batches (racecheck is slow). `--fp8` runs only
+reports the rest. `--small` shrinks the batches (racecheck is slow); `--case TEXT` runs
+only the batches whose name contains TEXT (no graph replay). `--fp8` runs only
 the fp8-cache batches (e4m3 and e5m2, per-head and scalar scales, each page class: the
 converting producer warps and their two-level pipeline).
 """
@@ -20,7 +21,7 @@ from podcute import PODAttention
 from podcute.kernels.config import arch_head_dims
 from podcute.launch import requested_arch
 from podcute.reference import pod_attention_reference
-from podcute.testing import make_batch, quantize_kv_cache
+from podcute.testing import handover_lengths, make_batch, quantize_kv_cache
 
 
 def check(attn, b, causal, name, fp8=None, **features):
@@ -44,7 +45,7 @@ def check(attn, b, causal, name, fp8=None, **features):
     return ok
 
 
-def main(small: bool) -> int:
+def main(small: bool, only: str = "") -> int:
     s = 4 if small else 1
     cases = [
         # (name, Hq, Hkv, D, page, fmt, causal, q_lens, kv_lens)
@@ -73,10 +74,16 @@ def main(small: bool) -> int:
          [1, 40, 3], [6000 // s, 30, 900], dict(window_size=(100, 16), sinks=True)),
         ("window+softcap p128", 16, 2, 128, 128, "table", True, [1, 130, 3], [4000 // s, 300, 77],
          dict(window_size=(64, 0), softcap=30.0)),
+        # a CTA list's first decode item right after a prefill tile of warpgroup 0's
+        # rows: the decode hand-over's first use against warpgroup 0's O staging
+        ("handover after prefill p16", 64, 8, 128, 16, "table", True,
+         *handover_lengths(32 // s, 192 // s, 8)),
     ]
     ok = True
     arch = requested_arch(None) or "sm_90a"  # PODCUTE_ARCH=sm_90: the portable kernel
     for name, hq, hkv, d, page, fmt, causal, ql, kl, *feat in cases:
+        if only not in name:
+            continue
         if d not in arch_head_dims(arch):
             print(f"{name}: skipped (no {arch} kernel for head_dim {d})", flush=True)
             continue
@@ -92,6 +99,8 @@ def main(small: bool) -> int:
         attn.plan(b.cu_seqlens_q, b.seqused_k, causal=causal, **pages, **plan_kw)
         ok &= check(attn, b, causal, name, **features)
 
+    if only:
+        return 0 if ok else 1
     # Graph captured with a no-split plan, replayed after a plan with splits (issue 8).
     attn = PODAttention(4, 4, 64, 16, dtype=torch.float16, device="cuda",
                         max_batch_size=32, max_num_tokens=512, max_num_pages=32 * 200)
@@ -166,4 +175,5 @@ def main_fp8(small: bool) -> int:
 if __name__ == "__main__":
     if "--fp8" in sys.argv:
         sys.exit(main_fp8("--small" in sys.argv))
-    sys.exit(main("--small" in sys.argv))
+    only = sys.argv[sys.argv.index("--case") + 1] if "--case" in sys.argv else ""
+    sys.exit(main("--small" in sys.argv, only))

@@ -22,10 +22,11 @@ import torch
 from podcute import PODAttention
 from podcute.reference import pod_attention_reference
 from podcute.testing import (FP8_CASES, FP8_DEFAULTS, FP8_KV, FP8_RANDOM_SHAPES, FP8_SPLIT_CASES,
-                             make_batch, mixed_lengths, quantize_kv_cache)
+                             handover_lengths, make_batch, mixed_lengths,
+                             quantize_kv_cache)
 
 # (skips this module with it where there is no sm_90 GPU; the same bounds)
-from tests.test_kernel_gpu import LSE_TOL, TOL  # noqa: E402
+from tests.test_kernel_gpu import LSE_TOL, SEED0, TOL  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 E4M3 = torch.float8_e4m3fn
@@ -124,6 +125,14 @@ def test_fp8_split_kv(cfg):
     check_fp8(f"fp8 split {cfg}", [1, 1, 2, 700], [32768, 20000, 9000, 30000], **cfg)
 
 
+@pytest.mark.parametrize("page", [16, 128])
+def test_fp8_decode_handover_after_prefill(page):
+    # A CTA list's first decode item right after a prefill tile of warpgroup 0's rows
+    # (testing.handover_lengths; tests/test_kernel_gpu.py has the 16-bit twin).
+    check_fp8(f"fp8 handover p{page}", *handover_lengths(16, 128, 8), hq=32, hkv=4,
+              page=page)
+
+
 def test_fp8_scales_per_head_matter():
     # Per-head scales that differ by 100x: a kernel applying one head's scale to another
     # (or none) is far off.
@@ -158,7 +167,7 @@ def test_fp8_device_scale_changes_without_replan():
     assert ((second.float() - 2 * first.float()).norm() / second.float().norm()).item() <= 1e-2
 
 
-@pytest.mark.parametrize("seed", range(NUM_RANDOM))
+@pytest.mark.parametrize("seed", range(SEED0, SEED0 + NUM_RANDOM))
 def test_fp8_random(seed):
     rng = random.Random(5000 + seed)
     n = rng.randint(1, 20)

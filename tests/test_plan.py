@@ -401,6 +401,20 @@ def test_long_decode_is_split_and_merged():
     assert plan.summary.balance < 1.2
 
 
+@pytest.mark.parametrize("hq,hkv", [(64, 8), (32, 8), (32, 4)])
+def test_handover_batch_exercises_the_first_decode_after_prefill(hq, hkv):
+    """The GPU regression batch for the decode hand-over's first use (testing.py
+    handover_lengths) must keep producing the transition it targets: a prefill tile of
+    warpgroup 0's rows right before a CTA list's first decode item, in many lists."""
+    from podcute.testing import handover_lengths, handover_transitions
+
+    q_lens, kv_lens = handover_lengths(16, 128, hq // hkv)
+    cu, kv, pages = lengths_to_inputs(q_lens, kv_lens, 16, "table", np.random.default_rng(0))
+    plan = planner(hq, hkv, 128, 16).plan(cu, kv, causal=True, **pages)
+    check_plan(plan, q_lens, kv_lens, page_limits(pages, kv_lens, 16))
+    assert handover_transitions(plan) >= 16
+
+
 def test_tiny_batch_does_not_split():
     p = planner(32, 8, 128, 16)
     plan = p.plan(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([100], dtype=torch.int32),

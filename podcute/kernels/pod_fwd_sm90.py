@@ -1014,8 +1014,13 @@ class PodAttentionSm90(PodKernelBase):
         use num_decode * rounds + j of a one-stage mbarrier pipeline (num_decode: the
         item's ordinal among its CTA's decode items, from the plan: a counter held in
         registers would spill): warpgroup 1 acquires the scratch, writes and commits;
-        warpgroup 0 waits and reads, and releases it at its next hand-over, after every
-        later use of the scratch as its O staging tile."""
+        warpgroup 0 waits and reads. Warpgroup 0 releases the scratch at the start of
+        every round, its first included: the scratch is also its O staging tile, so the
+        release says "my stores of every earlier item and my reads of the previous round
+        are done". Warpgroup 1's acquire of use u waits for the (u+1)-th release (its
+        producer state counts from 1: the first decode item of a list may follow prefill
+        items whose O warpgroup 0 is still staging, while warpgroup 1, with no rows in
+        the last prefill tile and no KV tile in the decode item, is already here)."""
         rounds = self.cfg.combine_rounds
         acc_O_mn = rows_cols_view(acc_O)
         n_r = cute.size(acc_O_mn, mode=[0])
@@ -1027,7 +1032,7 @@ class PodAttentionSm90(PodKernelBase):
         for j in cutlass.range_constexpr(rounds):
             use = num_decode * rounds + j
             if wg == 1:
-                state = stage(use, 1, producer=True)
+                state = stage(use + 1, 1, producer=True)
                 pipeline_combine.producer_acquire(state)
                 for r in cutlass.range_constexpr(n_r):
                     for c in cutlass.range_constexpr(cols):
@@ -1038,9 +1043,9 @@ class PodAttentionSm90(PodKernelBase):
                         sScratch[stats + n_r + r, tidx] = softmax.row_sum[r]
                 pipeline_combine.producer_commit(state)
             else:
-                # Done with the previous use (and every O staging since): release it now.
-                if use > 0:
-                    pipeline_combine.consumer_release(stage(use - 1, 1))
+                # Done with the previous use and every O staging since (or, before the
+                # first use, every O staging of the list's earlier items).
+                pipeline_combine.consumer_release(stage(use, 1))
                 pipeline_combine.consumer_wait(stage(use, 1))
                 if const_expr(j == 0):
                     other_max = cute.make_rmem_tensor_like(softmax.row_max, Float32)
