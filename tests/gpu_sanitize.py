@@ -143,7 +143,7 @@ def main(small: bool, only: str = "") -> int:
     return 0 if ok else 1
 
 
-def main_fp8(small: bool) -> int:
+def main_fp8(small: bool, only: str = "") -> int:
     s = 4 if small else 1
     mixed = ([300 // s, 1, 1, 5, 0, 1, 8], [700, 64, 1, 900, 17, 8000 // s, 8])
     cases = [  # (name, Hq, Hkv, D, page, fmt, causal, kv dtype, per-head scales, lens)
@@ -157,9 +157,15 @@ def main_fp8(small: bool) -> int:
          ([1, 2, 200 // s], [3000 // s, 40, 500])),
         ("fp8 e4m3 p64 D64 decode-only", 32, 4, 64, 64, "table", True, torch.float8_e4m3fn,
          False, ([1] * 6, [9000 // s] * 6)),
+        # the decode hand-over's first use after a prefill tile (the 16-bit case's twin:
+        # fp8 variants have their own warp roles and stage counts)
+        ("fp8 e4m3 handover after prefill p16", 32, 4, 128, 16, "table", True,
+         torch.float8_e4m3fn, True, handover_lengths(16 // s, 128 // s, 8)),
     ]
     ok = True
     for name, hq, hkv, d, page, fmt, causal, kv, per_head, (ql, kl) in cases:
+        if only not in name:
+            continue
         attn = PODAttention(hq, hkv, d, page, device="cuda", kv_dtype=kv)
         b = make_batch(ql, kl, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page,
                        device="cuda", page_format=fmt, seed=7)
@@ -173,7 +179,7 @@ def main_fp8(small: bool) -> int:
 
 
 if __name__ == "__main__":
-    if "--fp8" in sys.argv:
-        sys.exit(main_fp8("--small" in sys.argv))
     only = sys.argv[sys.argv.index("--case") + 1] if "--case" in sys.argv else ""
+    if "--fp8" in sys.argv:
+        sys.exit(main_fp8("--small" in sys.argv, only))
     sys.exit(main("--small" in sys.argv, only))
