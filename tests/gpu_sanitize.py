@@ -8,7 +8,7 @@ with the in-kernel merge, decode items (both MMA warpgroups, combined in shared 
 prefill items (ping-pong), causal and not, and a CUDA graph captured without splits
 replayed after a plan with splits. Exits non-zero if an output is wrong; the sanitizer
 reports the rest. `--small` shrinks the batches (racecheck is slow); `--case TEXT` runs
-only the batches whose name contains TEXT (no graph replay). `--fp8` runs only
+only the batches whose name contains TEXT (no graph replay; with `--fp8` too). `--fp8` runs only
 the fp8-cache batches (e4m3 and e5m2, per-head and scalar scales, each page class: the
 converting producer warps and their two-level pipeline).
 """
