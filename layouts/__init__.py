@@ -5,6 +5,7 @@ Plain Python helpers, called while tracing ``@cute.jit`` / ``@cute.kernel`` code
 
 from .paged_kv import (
     KV_LAYOUTS,
+    RAGGED_REQUEST,
     PageShift,
     canonical_kv,
     clamp_token,
@@ -12,7 +13,9 @@ from .paged_kv import (
     kv_row,
     kv_row_at,
     kv_row_clamped,
+    kv_row_in,
     kv_tma_view,
+    ragged_locate,
     split_token,
 )
 from .ragged import (packed_coord, packed_head, packed_lse, packed_rows, partial_lse,
@@ -20,6 +23,7 @@ from .ragged import (packed_coord, packed_head, packed_lse, packed_rows, partial
 
 __all__ = [
     "KV_LAYOUTS",
+    "RAGGED_REQUEST",
     "PageShift",
     "canonical_kv",
     "clamp_token",
@@ -27,7 +31,9 @@ __all__ = [
     "kv_row",
     "kv_row_at",
     "kv_row_clamped",
+    "kv_row_in",
     "kv_tma_view",
+    "ragged_locate",
     "split_token",
     "packed_coord",
     "packed_head",

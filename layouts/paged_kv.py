@@ -105,6 +105,34 @@ def kv_row_at(mKV_canon: cute.Tensor, page, slot, kv_head) -> cute.Tensor:
     return mKV_canon[page, slot, kv_head, None]
 
 
+# The request of a plan whose K/V a `ragged_kv` kernel variant reads from its second
+# source, contiguous ragged tensors (FlashInfer's legacy POD prefill) seen canonically as
+# [1, kv_len, Hkv, D]: one page that holds all its tokens.
+RAGGED_REQUEST = 0
+
+
+def ragged_locate(page, slot, token, ragged):
+    """(page, slot) of a token: the paged (page, slot), or on the ragged source (``ragged``
+    true, a runtime Boolean) page 0, slot ``token``. ``ragged`` None (a variant without
+    the ragged source): the paged ones, with no code."""
+    if ragged is None:
+        return page, slot
+    return cutlass.select_(ragged, cutlass.Int32(0), page), cutlass.select_(ragged, token, slot)
+
+
+def kv_row_in(mKV_canon: cute.Tensor, mKV_ragged, ragged, page, slot, kv_head) -> cute.Tensor:
+    """The (D,) row at (page, slot) of head ``kv_head`` of the cache or, where ``ragged``
+    holds, of the ragged source ``mKV_ragged`` (None: the cache only)."""
+    row = kv_row_at(mKV_canon, page, slot, kv_head)
+    if mKV_ragged is None:
+        return row
+    addr = cutlass.select_(ragged, kv_row_at(mKV_ragged, page, slot, kv_head).iterator.toint(),
+                           row.iterator.toint())
+    # Both rows are 16-byte aligned (checked by the API); the select hides it from the DSL.
+    ptr = cute.make_ptr(row.element_type, addr, cute.AddressSpace.gmem, assumed_align=16)
+    return cute.make_tensor(ptr, row.layout)
+
+
 def kv_row(mKV_canon: cute.Tensor, page_list: cute.Tensor, page_start, token, kv_head,
            page_size) -> cute.Tensor:
     """The (D,) row of KV token ``token`` (0-based within its request) of ``kv_head``.

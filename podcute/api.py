@@ -90,6 +90,22 @@ def _check_aligned_rows(*named):
                              f"strides {tuple(t.stride())} and data pointer {t.data_ptr():#x}")
 
 
+def _check_rows_like(name: str, t, q: torch.Tensor, want: tuple, what: str) -> None:
+    """A tensor of rows the kernel moves beside q's: dense, q's dtype and device, shape
+    `want` (described as `what`), a contiguous last dim and 16-byte rows."""
+    _check_dense(name, t)
+    if t.dtype != q.dtype:
+        raise TypeError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
+    if tuple(t.shape) != want:
+        raise ValueError(f"{name} must be {what} = {want}, got {tuple(t.shape)}")
+    if not _same_device(t.device, q.device):
+        raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must have a contiguous last dimension, got strides "
+                         f"{tuple(t.stride())}")
+    _check_aligned_rows((name, t))
+
+
 def _byte_range(ptr: int, shape, stride, elem_size: int) -> tuple[int, int]:
     """[first, last + 1) byte addresses of the elements of a tensor with this data
     pointer, shape and strides (torch strides are >= 0); (0, 0) when it is empty."""
@@ -472,24 +488,13 @@ class PODAttention:
         # Security boundary: no request may read outside the pool (O(1) in the usual case).
         plan.check_pages(k_cache.shape[0], self._page_arg)
         if out is not None:
-            _check_dense("out", out)
-            if out.dtype != q.dtype:
-                raise TypeError(f"out must have q's dtype {q.dtype}, got {out.dtype}")
-            if tuple(out.shape) != tuple(q.shape):
-                raise ValueError(f"out must be [total_q, Hq, D] = {tuple(q.shape)}, got "
-                                 f"{tuple(out.shape)}")
-            if not _same_device(out.device, q.device):
-                raise ValueError(f"out is on {out.device}, q on {q.device}")
-            if out.stride(-1) != 1:
-                raise ValueError(f"out must have a contiguous last dimension, got strides "
-                                 f"{tuple(out.stride())}")
-            _check_aligned_rows(("out", out))
+            _check_rows_like("out", out, q, tuple(q.shape), "[total_q, Hq, D]")
             _check_out_memory(out, (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)))
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             out: torch.Tensor | None = None, return_lse: bool = False,
             lse: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
-            k_scale=None, v_scale=None):
+            k_scale=None, v_scale=None, *, _ragged_kv=None):
         """Attention of the planned batch. q [T, Hq, D] with T >= cu_seqlens_q[-1] (rows
         past it are padding: never read, never written); caches [num_pages, page_size,
         Hkv, D] (NHD) or [num_pages, Hkv, page_size, D] (HND), any strides with a
@@ -503,7 +508,10 @@ class PODAttention:
         and values v_fp8 * v_scale; each a float (default 1.0) or a float32 device tensor
         of shape [], [1] or [Hkv], read by the kernel (a captured graph sees new values).
         CUDA-graph capturable: the first captured call fixes the planner's buffers
-        (README, CUDA graphs)."""
+        (README, CUDA graphs).
+        `_ragged_kv` (internal: podcute.compat's legacy POD wrapper): (k, v) views
+        [1, kv_len, Hkv, D] of one contiguous-rows K/V, which request 0 reads instead of
+        its pages (its page-table entries must still be valid pages: they are looked up)."""
         plan = self._plan
         if plan is None:
             raise RuntimeError("PODAttention.run() called before plan(): plan the batch first")
@@ -524,6 +532,8 @@ class PODAttention:
         elif k_scale is not None or v_scale is not None:
             raise ValueError("k_scale and v_scale are for fp8 KV caches only (this "
                              f"PODAttention's caches are {self.kv_dtype})")
+        if _ragged_kv is not None:
+            self._check_ragged_kv(plan, q, _ragged_kv)
         # Only now the device: never fall back to the reference silently.
         require_arch(q.device, self.arch)
         if not self.planner.frozen and torch.cuda.is_current_stream_capturing():
@@ -534,8 +544,19 @@ class PODAttention:
             lse = torch.empty(q.shape[0], self.num_qo_heads, dtype=torch.float32,
                               device=q.device)
         launch(plan, q, k_cache, v_cache, out, lse, kv_layout=self.kv_layout, sinks=sinks,
-               k_scale=k_scale, v_scale=v_scale)
+               k_scale=k_scale, v_scale=v_scale, ragged_kv=_ragged_kv)
         return (out, lse) if return_lse else out
+
+    def _check_ragged_kv(self, plan: Plan, q, ragged_kv) -> None:
+        """run()'s `_ragged_kv`: (k, v) [1, kv_len of request 0, Hkv, D] in q's dtype on
+        q's device with 16-byte rows (a 16-bit cache's PODAttention only)."""
+        if self.fp8:
+            raise ValueError("a ragged K/V source needs a 16-bit cache (this PODAttention's "
+                             f"caches are {self.kv_dtype})")
+        want = (1, int(plan.kv_lens[0]) if plan.batch_size else 0, self.num_kv_heads,
+                self.head_dim)
+        for name, t in zip(("ragged k", "ragged v"), ragged_kv):
+            _check_rows_like(name, t, q, want, "[1, kv_len of request 0, Hkv, D]")
 
     def _check_sinks(self, sinks, q) -> None:
         """sinks: a float32 [Hq] tensor on q's device with unit stride (its values, like

@@ -134,10 +134,12 @@ def _fake_args(key: VariantKey):
     scales = ((make_fake_tensor(cutlass.Float32, (sym(),), (1,), assumed_align=4),
                make_fake_tensor(cutlass.Float32, (sym(),), (1,), assumed_align=4))
               if cfg.fp8 else (None, None))
+    # ragged_kv: the ragged request's K/V, [1, kv_len, Hkv, D] views as a cache's.
+    ragged = (cache(), cache()) if cfg.ragged_kv else (None, None)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-    # Order: PodAttentionSm90.__call__ (q, k, v, out, lse, sinks, k_scale, v_scale, then
-    # Planner.kernel_args).
-    return (rows3(), cache(), cache(), rows3(), lse, sinks, *scales, work, ivec(), ivec(),
+    # Order: PodAttentionSm90.__call__ (q, k, v, out, lse, sinks, k_scale, v_scale, k/v
+    # ragged, then Planner.kernel_args).
+    return (rows3(), cache(), cache(), rows3(), lse, sinks, *scales, *ragged, work, ivec(), ivec(),
             ivec(), ivec(),
             ivec(), partial_o, partial_lse, merge, ivec(), ivec(), params, iparams,
             cutlass.Int32(4), cutlass.Int32(1), stream)

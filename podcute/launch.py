@@ -79,33 +79,40 @@ def require_arch(device: torch.device, arch: str = "sm_90a") -> None:
 _variants: dict = {}
 
 
-def _kernel(device, dtype, plan_config, options, has_lse: bool, has_sinks: bool):
+def _kernel(device, dtype, plan_config, options, has_lse: bool, has_sinks: bool,
+            ragged_kv: bool = False):
     """The compiled kernel for a plan's configuration: a dict hit after the first call."""
-    facts = (device, dtype, id(plan_config), options.variant, has_lse, has_sinks)
+    facts = (device, dtype, id(plan_config), options.variant, has_lse, has_sinks, ragged_kv)
     hit = _variants.get(facts)
     if hit is None or hit[0] is not plan_config:
         require_arch(device, plan_config.kernel.arch)
         cfg = plan_config.kernel.with_flags(has_lse=has_lse, has_sinks=has_sinks,
-                                            **options.kernel_flags())
+                                            ragged_kv=ragged_kv, **options.kernel_flags())
         hit = (plan_config, compile_variant(VariantKey.make(cfg)))
         _variants[facts] = hit
     return hit[1]
 
 
 def launch(plan, q, k_cache, v_cache, out, lse, kv_layout: str = "NHD", sinks=None,
-           k_scale=None, v_scale=None):
+           k_scale=None, v_scale=None, ragged_kv=None):
     """Run the fused POD kernel for `plan` (one launch; split-KV groups merge in-kernel).
 
     `out` is [T, Hq, D] (q's dtype), `lse` is [T, Hq] float32 or None, `sinks` [Hq]
-    float32 or None, `k_scale`/`v_scale` (fp8 caches) float32 [1] or [Hkv]. Every metadata
+    float32 or None, `k_scale`/`v_scale` (fp8 caches) float32 [1] or [Hkv]. `ragged_kv`:
+    None, or (k, v) [1, kv_len, Hkv, D] views (the canonical (page, slot, kv_head, dim) of
+    one page) that request 0 of the plan reads its K/V from instead of its pages (a
+    `ragged_kv` variant; that request keeps page-table entries, looked up but never used
+    to address). Every metadata
     argument is a whole planner buffer (`plan.kernel_args`), the same for every plan, so a
     captured launch replays with whatever plan() wrote last.
     Raises RuntimeError naming what is needed when the device cannot run the plan's kernel.
     """
     pod = _kernel(q.device, q.dtype, plan.config, plan.options, lse is not None,
-                  sinks is not None)
+                  sinks is not None, ragged_kv is not None)
     if kv_layout == "HND":
         # The kernel addresses (page, slot, head, dim); HND is that view with two strides
         # swapped (layouts.canonical_kv in torch terms), so both layouts share one variant.
         k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
-    pod(q, k_cache, v_cache, out, lse, sinks, k_scale, v_scale, *plan.kernel_args)
+    k_ragged, v_ragged = ragged_kv if ragged_kv is not None else (None, None)
+    pod(q, k_cache, v_cache, out, lse, sinks, k_scale, v_scale, k_ragged, v_ragged,
+        *plan.kernel_args)

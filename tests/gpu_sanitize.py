@@ -10,7 +10,9 @@ replayed after a plan with splits. Exits non-zero if an output is wrong; the san
 reports the rest. `--small` shrinks the batches (racecheck is slow); `--case TEXT` runs
 only the batches whose name contains TEXT (no graph replay; with `--fp8` too). `--fp8` runs only
 the fp8-cache batches (e4m3 and e5m2, per-head and scalar scales, each page class: the
-converting producer warps and their two-level pipeline).
+converting producer warps and their two-level pipeline). `--legacy` runs only FlashInfer's
+legacy POD wrapper in one launch (the ragged variant: request 0's K/V from contiguous
+tensors, by TMA at pages 16 and 128 and by the gather at page 1).
 """
 
 import sys
@@ -178,8 +180,61 @@ def main_fp8(small: bool, only: str = "") -> int:
     return 0 if ok else 1
 
 
+def main_legacy(small: bool) -> int:
+    from podcute.compat.flashinfer import PODWithPagedKVCacheWrapper
+
+    s = 4 if small else 1
+    hq, hkv, d = 8, 2, 128
+    decode_kv = [1, 17, 3000 // s, 64, 2, 999 // s, 128, 7]
+    ok = True
+    for page, kv_len, qo_len in ((1, 650 // s, 200 // s), (16, 2000 // s, 129),
+                                 (128, 650 // s, 64)):
+        dec = make_batch([1] * len(decode_kv), decode_kv, num_qo_heads=hq, num_kv_heads=hkv,
+                         head_dim=d, page_size=page, device="cuda", page_format="csr",
+                         interleaved=True, seed=page)
+        gen = torch.Generator(device="cuda").manual_seed(page)
+        k_p, v_p = (torch.randn(kv_len, hkv, d, generator=gen, device="cuda",
+                                dtype=torch.bfloat16) for _ in range(2))
+        q_p = torch.randn(qo_len, hq, d, generator=gen, device="cuda", dtype=torch.bfloat16)
+        w = PODWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device="cuda"))
+        w.plan(dec.kv_indptr, dec.kv_indices, dec.last_page_len, hq, hkv, d, page,
+               q_data_type=torch.bfloat16)
+        out_p, out_d = w.run(q_p, k_p, v_p, dec.q, dec.k_cache._base, causal_p=True)
+        i32 = dict(dtype=torch.int32, device="cuda")
+        ref_p = pod_attention_reference(
+            q_p, k_p.unsqueeze(1), v_p.unsqueeze(1), cu_seqlens_q=torch.tensor([0, qo_len], **i32),
+            seqused_k=torch.tensor([kv_len], **i32), kv_indptr=torch.tensor([0, kv_len], **i32),
+            kv_indices=torch.arange(kv_len, **i32))
+        torch.cuda.synchronize()
+        for name, out, ref in (("prefill", out_p, ref_p),
+                               ("decode", out_d, dec.reference(causal=True))):
+            rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+            good = rel < 5e-3 and not out.isnan().any()
+            print(f"legacy one launch p{page} {name}: rel L2 {rel:.2e} "
+                  f"{'ok' if good else 'FAIL'}", flush=True)
+            ok &= good
+        assert w._fused_key is not None  # (one launch, not the two-launch fallback)
+        # Its twin with the prefill's K/V in pages: one paged batch, the plain variant.
+        b = make_batch([qo_len] + [1] * len(decode_kv), [kv_len] + decode_kv,
+                       num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page,
+                       device="cuda", page_format="csr", seed=page)
+        attn = PODAttention(hq, hkv, d, page, device="cuda")
+        attn.plan(b.cu_seqlens_q, b.seqused_k, kv_indptr=b.kv_indptr, kv_indices=b.kv_indices)
+        out = attn.run(b.q, b.k_cache, b.v_cache)  # (no LSE, as the legacy wrapper)
+        ref = b.reference(causal=True)
+        torch.cuda.synchronize()
+        rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+        good = rel < 5e-3 and not out.isnan().any()
+        print(f"legacy's paged twin p{page}: rel L2 {rel:.2e} {'ok' if good else 'FAIL'}",
+              flush=True)
+        ok &= good
+    return 0 if ok else 1
+
+
 if __name__ == "__main__":
     only = sys.argv[sys.argv.index("--case") + 1] if "--case" in sys.argv else ""
+    if "--legacy" in sys.argv:
+        sys.exit(main_legacy("--small" in sys.argv))
     if "--fp8" in sys.argv:
         sys.exit(main_fp8("--small" in sys.argv, only))
     sys.exit(main("--small" in sys.argv, only))

@@ -334,7 +334,7 @@ def test_unpack_errors():
 
 
 # --------------------------------------------------------------------------------------
-# PODWithPagedKVCacheWrapper (legacy; two launches)
+# PODWithPagedKVCacheWrapper (legacy; one launch, two where one plan cannot serve both)
 # --------------------------------------------------------------------------------------
 
 
@@ -354,6 +354,86 @@ def test_legacy_plans_the_decode_batch():
     w.plan(i32(0, 2, 2), i32(0, 1), i32(16, 1), HQ, HKV, D, PS, q_data_type=BF16)
     assert w._decode.current_plan.causal is False  # a request without KV: no mask
     assert w.plan == w.begin_forward or w.begin_forward.__func__ is w.plan.__func__
+
+
+def run_on_cpu(w, *args, **kw):
+    """run() up to its launch: on a CPU machine it stops at podcute's Hopper error."""
+    with raises(RuntimeError, "Hopper"):
+        w.run(*args, **kw)
+
+
+@pytest.mark.parametrize("layout_p", ["NHD", "HND"])
+def test_legacy_run_plans_prefill_and_decode_as_one_batch(layout_p):
+    w = legacy()
+    q_p, k_p, v_p, q_d, kv = legacy_inputs(kv_len=50, layout_p=layout_p)
+    run_on_cpu(w, q_p, k_p, v_p, q_d, kv, causal_p=True, kv_layout_p=layout_p)
+    plan = w._fused.current_plan
+    # request 0 is the prefill: 24 queries over 50 tokens, 4 page entries (page 0, never
+    # used to address: the ragged variant reads k_p / v_p); then the decode batch
+    assert plan.q_start.tolist() == [0, 24, 25, 26, 27]
+    assert plan.kv_len.tolist() == [50, 32, 3, 17]
+    assert plan.page_list.tolist() == [0, 0, 0, 0, 0, 1, 2, 3, 4]
+    assert plan.causal is True and plan.sm_scale == w._decode.current_plan.sm_scale
+    assert w._prefill_key is None and w._fused_key == (24, 50, True, None, (-1, -1))
+    # the same prefill again: no new plan; plan() re-plans the fused batch at once
+    run_on_cpu(w, q_p, k_p, v_p, q_d, kv, causal_p=True, kv_layout_p=layout_p)
+    assert w._fused.current_plan is plan
+    w.plan(i32(0, 1, 3), i32(4, 0, 1), i32(7, 2), HQ, HKV, D, PS, q_data_type=BF16)
+    plan = w._fused.current_plan
+    assert plan.q_start.tolist() == [0, 24, 25, 26] and plan.kv_len.tolist() == [50, 7, 18]
+    assert plan.page_list.tolist() == [0, 0, 0, 0, 4, 0, 1]
+
+
+@pytest.mark.parametrize("case, kw", [
+    ("sm_scale_p", dict(sm_scale_p=0.3)),
+    ("window_left_p", dict(window_left_p=8)),
+    ("no prefill KV", dict()),
+])
+def test_legacy_run_falls_back_to_two_launches(case, kw):
+    """What one plan cannot serve: the prefill alone over its K/V seen as pages."""
+    w = legacy()
+    q_p, k_p, v_p, q_d, kv = legacy_inputs(qo_len=0 if case == "no prefill KV" else 24,
+                                           kv_len=0 if case == "no prefill KV" else 64)
+    run_on_cpu(w, q_p, k_p, v_p, q_d, kv, **kw)
+    assert w._fused_key is None and w._prefill_key is not None
+
+
+def test_legacy_run_causal_prefill_beside_a_decode_without_kv():
+    w = PODWithPagedKVCacheWrapper(workspace(), "NHD")
+    w.plan(i32(0, 2, 2), i32(0, 1), i32(16, 1), HQ, HKV, D, PS, q_data_type=BF16)
+    q_p, k_p, v_p, _, kv = legacy_inputs()
+    q_d = torch.randn(2, HQ, D, dtype=BF16)
+    run_on_cpu(w, q_p, k_p, v_p, q_d, kv, causal_p=True)  # causal: two launches
+    assert w._fused_key is None
+    run_on_cpu(w, q_p, k_p, v_p, q_d, kv, causal_p=False)  # no mask: one plan
+    assert w._fused.current_plan.kv_len.tolist() == [64, 32, 0]
+
+
+def test_legacy_plan_refuses_an_unfusable_batch_after_capture():
+    w = legacy()
+    q_p, k_p, v_p, q_d, kv = legacy_inputs()
+    run_on_cpu(w, q_p, k_p, v_p, q_d, kv, causal_p=True)
+    w._fused.planner.freeze()  # as a CUDA-graph capture does
+    with raises(ValueError, "captured", "without KV"):
+        w.plan(i32(0, 2, 2), i32(0, 1), i32(16, 1), HQ, HKV, D, PS, q_data_type=BF16)
+
+
+def test_ragged_kv_is_checked_before_launch():
+    """PODAttention.run's internal `_ragged_kv`: request 0's K/V, [1, kv_len, Hkv, D]."""
+    w = legacy()
+    q_p, k_p, v_p, q_d, kv = legacy_inputs(kv_len=50)
+    run_on_cpu(w, q_p, k_p, v_p, q_d, kv, causal_p=True)
+    attn, q = w._fused, torch.cat((q_p, q_d))
+    k, v = unpack_paged_kv_cache(kv, "NHD", "kv")
+    good = k_p.unsqueeze(0)
+    for bad, exc, words in ((good[:, :49], ValueError, ["ragged k", "50"]),
+                            (good.half(), TypeError, ["ragged k", "dtype"]),
+                            (good.transpose(2, 3), ValueError, ["ragged k"]),
+                            (torch.randn(50 * HKV * D + 4, dtype=BF16)[4:].view(1, 50, HKV, D),
+                             ValueError, ["ragged k", "16-byte"])):
+        with raises(exc, *words):
+            attn.run(q, k, v, _ragged_kv=(bad, v_p.unsqueeze(0)))
+    run_on_cpu(attn, q, k, v, _ragged_kv=(good, v_p.unsqueeze(0)))
 
 
 @pytest.mark.parametrize("kv_len, page", [(64, PS), (50, 1)])

@@ -5,9 +5,10 @@ in use, shuffled pages) with FlashInfer-style arguments; outputs must match the 
 reference (relative L2 <= 5e-3, bf16), the LSE must be the reference's natural-log LSE
 times log2(e) (FlashInfer's base 2, within 1e-3 natural), and every output row of a
 token must be written (caller buffers and the allocator's free blocks are NaN-poisoned
-first). Kernel variants are kept to four: bf16, head_dim 128, GQA group 4, causal, pages
-1 and 16, with and without LSE (the legacy wrapper returns none; its decode batch, one
-query token per request, is planned causal).
+first). Kernel variants are kept few: bf16, head_dim 128, GQA group 4, causal, pages
+1 and 16, with and without LSE, and the legacy wrapper's ragged variants for pages 1, 16
+and 128 (it returns no LSE; its decode batch, one query token per request, is planned
+causal).
 """
 
 import math
@@ -177,35 +178,121 @@ def test_batch_pod_cuda_graph_replay_after_replan():
         w.plan(**pod_plan_args(other, 1, on_cpu=True))
 
 
-@pytest.mark.parametrize("kv_len", [640, 650])  # pages of 16 (a view), pages of 1
-@pytest.mark.parametrize("layout", ["NHD", "HND"])
-def test_legacy_pod_matches_reference(kv_len, layout):
-    qo_len = 200
-    gen = torch.Generator(device="cuda").manual_seed(kv_len)
-    dec = make_batch([1] * len(DECODE_KV), DECODE_KV, num_qo_heads=HQ, num_kv_heads=HKV,
-                     head_dim=D, page_size=16, dtype=BF16, device="cuda", kv_layout=layout,
-                     page_format="csr", interleaved=True, seed=kv_len)
-    # ragged prefill K/V, strided (halves of one [L, 2, Hkv, D] tensor), in kv_layout_p
+class _Launches:
+    """Counts podcute kernel launches (podcute.api.launch) while active."""
+
+    def __init__(self, monkeypatch):
+        import podcute.api as api
+        self.count, inner = 0, api.launch
+
+        def counted(*args, **kwargs):
+            self.count += 1
+            return inner(*args, **kwargs)
+        monkeypatch.setattr(api, "launch", counted)
+
+
+def legacy_case(page, layout, kv_len, qo_len, seed, decode_kv=DECODE_KV):
+    """A legacy-wrapper batch: a paged decode batch (NaN pools, shuffled pages) and one
+    prefill whose ragged K/V are strided halves of one [L, 2, Hkv, D] tensor (in
+    `layout`), with q_p and q_d cut from one q tensor. Returns (decode batch, q_p, k_p,
+    v_p, the prefill's reference output)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dec = make_batch([1] * len(decode_kv), decode_kv, num_qo_heads=HQ, num_kv_heads=HKV,
+                     head_dim=D, page_size=page, dtype=BF16, device="cuda", kv_layout=layout,
+                     page_format="csr", interleaved=True, seed=seed)
     kv = torch.randn(kv_len, 2, HKV, D, generator=gen, device="cuda", dtype=BF16)
-    q_p = torch.randn(qo_len, HQ, D, generator=gen, device="cuda", dtype=BF16)
+    q = torch.randn(qo_len + len(decode_kv), HQ, D, generator=gen, device="cuda", dtype=BF16)
+    q[qo_len:] = dec.q
     k_p, v_p = kv[:, 0], kv[:, 1]
     if layout == "HND":
         k_p, v_p = k_p.transpose(0, 1), v_p.transpose(0, 1)
+    i32 = dict(dtype=torch.int32, device="cuda")
+    ref_p = pod_attention_reference(
+        q[:qo_len], kv[:, 0].unsqueeze(1), kv[:, 1].unsqueeze(1),
+        cu_seqlens_q=torch.tensor([0, qo_len], **i32), seqused_k=torch.tensor([kv_len], **i32),
+        kv_indptr=torch.tensor([0, kv_len], **i32), kv_indices=torch.arange(kv_len, **i32))
+    return dec, q, k_p, v_p, ref_p
+
+
+def legacy_wrapper(dec, layout):
     w = PODWithPagedKVCacheWrapper(workspace(), layout)
-    w.plan(dec.kv_indptr, dec.kv_indices, dec.last_page_len, HQ, HKV, D, 16,
+    w.plan(dec.kv_indptr, dec.kv_indices, dec.last_page_len, HQ, HKV, D, dec.page_size,
            q_data_type=BF16)
+    return w
+
+
+# Pages of 1 (the cp.async gather), 16 (16-slot TMA boxes), 128 (whole-tile boxes); KV
+# lengths on and off a page and tile boundary; a one-token prefill (a decode item).
+@pytest.mark.parametrize("page", [1, 16, 128])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("kv_len, qo_len", [(640, 200), (650, 200), (5000, 129), (40, 1)])
+def test_legacy_pod_one_launch_matches_reference(page, layout, kv_len, qo_len, monkeypatch):
+    """The prefill (request 0, its K/V from the ragged tensors) and the decode batch in
+    one launch of the ragged variant."""
+    dec, q, k_p, v_p, ref_p = legacy_case(page, layout, kv_len, qo_len, seed=kv_len + page)
+    w = legacy_wrapper(dec, layout)
+    launches = _Launches(monkeypatch)
+    for q_p, q_d in ((q[:qo_len], q[qo_len:]),  # one q tensor: a view
+                     (q[:qo_len].clone(), q[qo_len:].clone())):  # two: one torch.cat
+        poison_allocator()
+        out_p, out_d = w.run(q_p, k_p, v_p, q_d, pool_of(dec), causal_p=True,
+                             kv_layout_p=layout)
+        torch.cuda.synchronize()
+        name = f"legacy POD page {page} {layout} kv {kv_len} q {qo_len}"
+        check(f"{name} prefill", out_p, None, ref_p, None)
+        check(f"{name} decode", out_d, None, dec.reference(causal=True), None)
+    assert launches.count == 2 and w._prefill_key is None  # one a run(), no prefill-only plan
+
+
+def test_legacy_pod_two_launches_when_the_settings_differ(monkeypatch):
+    """A prefill sm_scale other than the decode side's cannot share its plan: two launches,
+    both still right."""
+    dec, q, k_p, v_p, _ = legacy_case(16, "NHD", 650, 200, seed=5)
+    w = legacy_wrapper(dec, "NHD")
+    scale = 0.5 / math.sqrt(D)
+    launches = _Launches(monkeypatch)
     poison_allocator()
-    out_p, out_d = w.run(q_p, k_p, v_p, dec.q, pool_of(dec), causal_p=True, kv_layout_p=layout,
-                         return_lse_p=True)
+    out_p, out_d = w.run(q[:200], k_p, v_p, q[200:], pool_of(dec), causal_p=True,
+                         sm_scale_p=scale)
     torch.cuda.synchronize()
     i32 = dict(dtype=torch.int32, device="cuda")
     ref_p = pod_attention_reference(
-        q_p, kv[:, 0].unsqueeze(1), kv[:, 1].unsqueeze(1),
-        cu_seqlens_q=torch.tensor([0, qo_len], **i32), seqused_k=torch.tensor([kv_len], **i32),
-        kv_indptr=torch.tensor([0, kv_len], **i32), kv_indices=torch.arange(kv_len, **i32))
-    check(f"legacy POD prefill {kv_len} {layout}", out_p, None, ref_p, None)
-    check(f"legacy POD decode {layout}", out_d, None, dec.reference(causal=True), None)
-    assert (w._prefill_key[0].page_size == 16) == (kv_len % 16 == 0)
+        q[:200], k_p.unsqueeze(1), v_p.unsqueeze(1), sm_scale=scale,
+        cu_seqlens_q=torch.tensor([0, 200], **i32), seqused_k=torch.tensor([650], **i32),
+        kv_indptr=torch.tensor([0, 650], **i32), kv_indices=torch.arange(650, **i32))
+    check("legacy POD two launches prefill", out_p, None, ref_p, None)
+    check("legacy POD two launches decode", out_d, None, dec.reference(causal=True), None)
+    assert launches.count == 2 and w._fused_key is None
+
+
+def test_legacy_pod_cuda_graph_replay_after_replan():
+    """A captured run() replays, after plan() with a new decode batch (other lengths and
+    pages over the same pool), what an eager run() computes for it, bitwise, beside the
+    prefill shape it was captured with."""
+    dec, q, k_p, v_p, _ = legacy_case(16, "NHD", 650, 200, seed=7)
+    other = make_batch([1] * len(DECODE_KV), DECODE_KV[::-1], num_qo_heads=HQ,
+                       num_kv_heads=HKV, head_dim=D, page_size=16, dtype=BF16, device="cuda",
+                       page_format="csr", interleaved=True, num_pages=dec.k_cache.shape[0],
+                       seed=8)
+    pool, saved = pool_of(dec), pool_of(dec).clone()
+    w = PODWithPagedKVCacheWrapper(workspace(), "NHD")
+    plan_args = dict(num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=16,
+                     q_data_type=BF16)
+    w.plan(dec.kv_indptr, dec.kv_indices, dec.last_page_len, **plan_args)
+    w.run(q[:200], k_p, v_p, q[200:], pool, causal_p=True)  # plans the fused batch
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out_p, g_out_d = w.run(q[:200], k_p, v_p, q[200:], pool, causal_p=True)
+    for b, data in ((other, pool_of(other)), (dec, saved)):
+        pool.copy_(data)
+        q[200:] = b.q
+        w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, **plan_args)
+        g_out_d.fill_(float("nan"))
+        graph.replay()
+        eager_p, eager_d = w.run(q[:200], k_p, v_p, q[200:], pool, causal_p=True)
+        torch.cuda.synchronize()
+        assert torch.equal(g_out_p, eager_p) and torch.equal(g_out_d, eager_d)
+        check("legacy POD graph replay decode", g_out_d, None, b.reference(causal=True), None)
 
 
 @pytest.mark.parametrize("page", [1, 16])

@@ -1,7 +1,8 @@
 """Every shipped variant of the warp-level (mma.sync) kernel compiles, on a CPU-only
 machine, for each architecture it serves (sm_80, sm_86, sm_89, plain sm_90, sm_120a), with
 mma.sync fed by ldmatrix in its PTX, no wgmma, and no register spills reported by ptxas;
-so do the variants with every model feature on (they compile on first use)."""
+so do the variants with every model feature on and those with the ragged K/V source
+(they compile on first use)."""
 
 import os
 import re
@@ -36,7 +37,10 @@ def test_portable_variants_compile_without_spills(arch):
     for args, want in (((), shipped_variants(arch)),
                        (("--features", FEATURES, "--groups", "4", "--dtypes", BOTH),
                         shipped_variants(arch, groups=(4,), features=(FEATURES,),
-                                         dtypes=BOTH.split(",")))):
+                                         dtypes=BOTH.split(","))),
+                       # the legacy POD wrapper's second (ragged) K/V source
+                       (("--features", "ragged", "--groups", "4"),
+                        shipped_variants(arch, groups=(4,), features=("ragged",)))):
         log = _compile(arch, *args)
         assert log.returncode == 0, log.stdout[-3000:] + log.stderr[-3000:]
         lines = [l for l in log.stdout.splitlines() if l.startswith("[")]

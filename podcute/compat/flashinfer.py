@@ -563,21 +563,27 @@ class PODWithPagedKVCacheWrapper(_Wrapper):
     """FlashInfer's older POD wrapper: one prefill request over contiguous ragged K/V
     (``k_p``, ``v_p``) plus a paged decode batch (one query token per request).
 
-    **Not fused**: podcute's kernel reads one paged KV cache per launch and the prefill's
-    K/V are not in it, so run() makes two podcute launches: the prefill over its K/V seen
-    as pages (a view, no copy: pages of the decode page_size when it divides the KV length,
-    else pages of one token), then the decode batch. Use
-    :class:`BatchPODWithPagedKVCacheWrapper` for one launch.
+    **One launch**: run() plans the prefill and the decode batch as one podcute batch (the
+    prefill is its request 0) and launches the kernel's ``ragged`` variant, which reads
+    request 0's K/V rows from ``k_p``/``v_p`` and every other request's from the paged
+    cache. The queries go in as one tensor: a view when ``q_d``'s rows follow ``q_p``'s
+    in memory, else one copy (``torch.cat``); ``out_p``/``out_d`` are views of one output.
+    Two launches (the prefill over its K/V seen as pages, a view: pages of the decode
+    page_size when it divides the KV length, else of one token; then the decode batch)
+    serve what one plan cannot: an fp8 decode cache, a prefill ``sm_scale_p`` or
+    ``window_left_p`` other than plan()'s, ``causal_p`` with a decode request that has no
+    KV, and a prefill without KV.
 
     As in FlashInfer, run() returns ``(out_p, out_d)`` whatever ``return_lse_p`` /
     ``return_lse_d`` say (so no LSE is computed), and takes the decode side's settings
     from plan(): ``kv_layout_d`` and ``causal_d`` change nothing (one query token per
     request sees its whole KV either way); a ``sm_scale_d`` other than plan()'s raises.
-    The prefill is planned inside run() and re-planned only when its shape, ``causal_p``
-    or ``sm_scale_p`` change. ``use_cuda_graph`` and the fixed index buffers are accepted
-    and checked as FlashInfer checks them, but unused: podcute copies the page table into
-    its own fixed buffers at plan(); a captured run() replays the prefill shape it was
-    captured with.
+    The batch is planned inside run() and re-planned only when the prefill's shape,
+    ``causal_p``, ``sm_scale_p`` or ``window_left_p`` change; plan() re-plans it at once
+    for the last run()'s prefill (so a captured run() replays the new decode batch beside
+    the prefill shape it was captured with). ``use_cuda_graph`` and the fixed index
+    buffers are accepted and checked as FlashInfer checks them, but unused: podcute copies
+    the page table into its own fixed buffers at plan().
     """
 
     def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD",
@@ -603,7 +609,10 @@ class PODWithPagedKVCacheWrapper(_Wrapper):
         self._float_workspace_buffer = float_workspace_buffer
         self._int_workspace_buffer = None
         self._decode = None  # the decode batch's PODAttention, planned
+        self._decode_inputs = None  # its host (indptr, indices, last_page_len, causal)
         self._prefill_key = None  # what the prefill's current plan was made for
+        self._fused = None  # the fused batch's PODAttention, planned for _fused_key
+        self._fused_key = None  # the prefill facts of the fused plan (kept across plan())
 
     @property
     def is_cuda_graph_enabled(self) -> bool:
@@ -650,12 +659,23 @@ class PODWithPagedKVCacheWrapper(_Wrapper):
         # One query token sees its whole KV with or without the causal mask unless it has
         # no KV; plan causal then, so this launch shares the kernel of a causal prefill.
         causal = bool((np.diff(ip) > 0).all())
+        indices = _int32("indices", h["indices"])
+        last = _int32("last_page_len", h["last_page_len"])
         with _flashinfer_names({"kv_indptr": "indptr", "kv_indices": "indices"}):
-            attn.plan(np.arange(B + 1, dtype=np.int32), kv_indptr=ip,
-                      kv_indices=_int32("indices", h["indices"]),
-                      last_page_len=_int32("last_page_len", h["last_page_len"]),
-                      causal=causal, sm_scale=sm_scale, window_size=window)
+            attn.plan(np.arange(B + 1, dtype=np.int32), kv_indptr=ip, kv_indices=indices,
+                      last_page_len=last, causal=causal, sm_scale=sm_scale, window_size=window)
         self._decode = attn
+        self._decode_inputs = (ip, indices[: ip[-1]], last, causal)
+        if self._fused_key is not None:
+            # Re-plan the fused batch for the last prefill now, so a captured run()
+            # replays this decode batch.
+            key, self._fused_key = self._fused_key, None
+            if self._fusable(*key[1:]):
+                self._plan_fused(*key)
+            elif self._fused.planner.frozen:
+                raise ValueError("this decode batch cannot share one launch with the prefill "
+                                 "a CUDA graph captured (a request without KV beside a "
+                                 "causal prefill): capture again")
 
     begin_forward = plan
     end_forward = _end_forward
@@ -697,16 +717,64 @@ class PODWithPagedKVCacheWrapper(_Wrapper):
         if sm_scale_d is not None and sm_scale_d != decode.current_plan.sm_scale:
             raise ValueError(f"sm_scale_d={sm_scale_d!r} differs from plan()'s sm_scale "
                              f"({decode.current_plan.sm_scale}); the decode side uses plan()'s")
-        prefill, k_pages, v_pages = self._plan_prefill(q_p, k_p, v_p, kv_layout_p, causal_p,
-                                                       sm_scale_p, window_p)
+        kv_len = self._check_prefill(q_p, k_p, v_p, kv_layout_p)
         _check_q("q_d", q_d, decode, decode.current_plan.total_q)
         k_d, v_d = unpack_paged_kv_cache(paged_kv_cache_d, self._kv_layout, "paged_kv_cache_d")
         _check_cache_dtype("paged_kv_cache_d", k_d, v_d, decode.kv_dtype)
+        if q_p.dtype == decode.dtype and k_d.shape[0] > 0 and self._fusable(
+                kv_len, causal_p, sm_scale_p, window_p):
+            key = (q_p.shape[0], kv_len, causal_p, sm_scale_p, window_p)
+            if self._fused_key != key:
+                if _capturing():
+                    raise RuntimeError("the prefill's shape or settings changed under "
+                                       "CUDA-graph capture; run() once eagerly with them "
+                                       "before capturing")
+                self._plan_fused(*key)
+            q = _rows_in_sequence(q_p, q_d)
+            if q is None:
+                q = torch.cat((q_p, q_d))
+            ragged = [(t if kv_layout_p == "NHD" else t.transpose(0, 1)).unsqueeze(0)
+                      for t in (k_p, v_p)]
+            out = self._fused.run(q, k_d, v_d, _ragged_kv=ragged, **scales)
+            return out[: q_p.shape[0]], out[q_p.shape[0]:]
+        prefill, k_pages, v_pages = self._plan_prefill(q_p, k_p, v_p, kv_layout_p, causal_p,
+                                                       sm_scale_p, window_p, kv_len)
         return prefill.run(q_p, k_pages, v_pages), decode.run(q_d, k_d, v_d, **scales)
 
-    def _plan_prefill(self, q_p, k_p, v_p, kv_layout_p, causal_p, sm_scale_p, window_p):
-        """Check the prefill's tensors, plan it (unless planned already for this shape) and
-        return its PODAttention with k_p / v_p viewed as its pages."""
+    def _fusable(self, kv_len, causal_p, sm_scale_p, window_p) -> bool:
+        """Whether the prefill can join the planned decode batch in one plan: a 16-bit
+        cache, the decode side's sm_scale and window, KV to read, and no decode request
+        without KV beside a causal prefill (causal needs q_len <= kv_len)."""
+        decode = self._decode
+        plan = decode.current_plan
+        scale_p = 1.0 / math.sqrt(decode.head_dim) if sm_scale_p is None else sm_scale_p
+        return (not decode.fp8 and kv_len > 0 and scale_p == plan.sm_scale
+                and window_p[0] == plan.options.window_left
+                and (self._decode_inputs[3] or not causal_p))
+
+    def _plan_fused(self, q_len, kv_len, causal_p, sm_scale_p, window_p) -> None:
+        """Plan [prefill; decode batch] as one batch: the prefill is request 0, whose page
+        entries (page 0, looked up but never read) stand for its ragged K/V."""
+        decode = self._decode
+        ip, indices, last, _ = self._decode_inputs
+        page = decode.page_size
+        n0 = -(-kv_len // page)
+        attn = self._attention("fused", decode.num_qo_heads, decode.num_kv_heads,
+                               decode.head_dim, page, decode.dtype)
+        names = {"cu_seqlens_q": "q_p.shape[0]", "kv_indptr": "indptr",
+                 "kv_indices": "indices", "sm_scale": "sm_scale_p"}
+        with _flashinfer_names(names):
+            attn.plan(np.concatenate(([0], q_len + np.arange(len(ip)))).astype(np.int32),
+                      kv_indptr=np.concatenate(([0], n0 + ip)).astype(np.int32),
+                      kv_indices=np.concatenate((np.zeros(n0, np.int32), indices)),
+                      last_page_len=np.concatenate(([kv_len - (n0 - 1) * page], last)
+                                                   ).astype(np.int32),
+                      causal=causal_p, sm_scale=decode.current_plan.sm_scale,
+                      window_size=window_p)
+        self._fused, self._fused_key = attn, (q_len, kv_len, causal_p, sm_scale_p, window_p)
+
+    def _check_prefill(self, q_p, k_p, v_p, kv_layout_p) -> int:
+        """Check the prefill's tensors; its KV length."""
         hq, hkv, d = self._decode.num_qo_heads, self._decode.num_kv_heads, self._decode.head_dim
         if not isinstance(q_p, torch.Tensor):
             raise TypeError(f"q_p must be a torch.Tensor, got {type(q_p).__name__}")
@@ -726,7 +794,13 @@ class PODWithPagedKVCacheWrapper(_Wrapper):
                 raise ValueError(f"{name} must be {want} with Hkv={hkv}, D={d} "
                                  f"(kv_layout_p={kv_layout_p!r}) and k_p's shape, got shape "
                                  f"{tuple(t.shape)}")
-        kv_len = k_p.shape[0 if kv_layout_p == "NHD" else 1]
+        return k_p.shape[0 if kv_layout_p == "NHD" else 1]
+
+    def _plan_prefill(self, q_p, k_p, v_p, kv_layout_p, causal_p, sm_scale_p, window_p,
+                      kv_len):
+        """Plan the prefill alone (unless planned already for this shape) and return its
+        PODAttention with k_p / v_p viewed as its pages (the two-launch path)."""
+        hq, hkv, d = self._decode.num_qo_heads, self._decode.num_kv_heads, self._decode.head_dim
         page = self._decode.page_size if kv_len % self._decode.page_size == 0 else 1
         attn = self._attention("prefill", hq, hkv, d, page, q_p.dtype)
         key = (attn, q_p.shape[0], kv_len, causal_p, sm_scale_p, window_p)

@@ -46,9 +46,11 @@ def arch_head_dims(arch: str) -> tuple:
     return WARP_HEAD_DIMS if arch in WARP_MMA_ARCHS else SUPPORTED_HEAD_DIMS
 
 
-# Model features a variant may carry, as named in a feature spec ("window+sinks"): the
-# KernelConfig flag of each.
-FEATURES = {"window": "window", "softcap": "softcap", "sinks": "has_sinks"}
+# Features a variant may carry, as named in a feature spec ("window+sinks"): the
+# KernelConfig flag of each. The model features, and "ragged": a second K/V source
+# (`ragged_kv`, FlashInfer's legacy POD wrapper).
+FEATURES = {"window": "window", "softcap": "softcap", "sinks": "has_sinks",
+            "ragged": "ragged_kv"}
 
 WARPGROUP_THREADS = 128
 # Hopper: 227 KB of shared memory per CTA (opt-in), 64K 32-bit registers per SM.
@@ -116,6 +118,11 @@ class KernelConfig:
     # each into the 16-bit stage the MMA warpgroups read (kernels/dequant.py).
     kv_dtype: str = ""
     fp8_stages: int = 0
+    # A second K/V source (FlashInfer's legacy POD wrapper: one prefill over contiguous
+    # ragged K/V beside a paged decode batch, in one launch): request 0 of the plan reads
+    # its K/V rows from the ragged tensors, seen as one page holding its tokens
+    # (layouts.ragged_locate); every other request reads the paged cache.
+    ragged_kv: bool = False
 
     # ---- derived ----------------------------------------------------------------------
 
@@ -254,6 +261,8 @@ class KernelConfig:
             return False, f"fp8 KV caches at head_dim {self.head_dim} (supported: {FP8_HEAD_DIMS})"
         if self.fp8 != (self.fp8_stages >= 2):
             return False, "an fp8 cache needs >= 2 fp8 staging stages, a 16-bit cache none"
+        if self.fp8 and self.ragged_kv:
+            return False, "a ragged K/V source needs a 16-bit cache (kv_dtype '')"
         if self.group < 1:
             return False, f"group {self.group} must be >= 1"
         if self.tile_m_prefill != 64 * self.num_mma_warpgroups or self.tile_m_decode != 64:
@@ -345,7 +354,7 @@ class KernelConfig:
 
     def with_flags(self, **flags) -> "KernelConfig":
         """The same tiling with other per-launch flags (what launch() specialises):
-        causal, has_lse, window, softcap, has_sinks; None keeps a flag as it is."""
+        causal, has_lse, window, softcap, has_sinks, ragged_kv; None keeps a flag as it is."""
         allowed = ("causal", "has_lse", *FEATURES.values())
         unknown = set(flags) - set(allowed)
         if unknown:
@@ -359,9 +368,16 @@ class KernelConfig:
     def select(dtype: str = "bfloat16", head_dim: int = 128, group: int = 1,
                causal: bool = True, has_lse: bool = False, page_size: int = 16,
                arch: str = "sm_90a", *, window: bool = False, softcap: bool = False,
-               has_sinks: bool = False, kv_dtype: str = "") -> "KernelConfig":
+               has_sinks: bool = False, kv_dtype: str = "",
+               ragged_kv: bool = False) -> "KernelConfig":
         """The configuration podcute runs for these facts (raises ValueError if none).
-        `kv_dtype`: "" for a cache in q's dtype, else its fp8 type (FP8_KV_DTYPES)."""
+        `kv_dtype`: "" for a cache in q's dtype, else its fp8 type (FP8_KV_DTYPES).
+        `ragged_kv`: the same tiling with the second K/V source (no fp8 cache)."""
+        if ragged_kv:
+            return KernelConfig.select(
+                dtype, head_dim, group, causal, has_lse, page_size, arch, window=window,
+                softcap=softcap, has_sinks=has_sinks, kv_dtype=kv_dtype,
+            ).with_flags(ragged_kv=True)._checked()
         if head_dim not in SUPPORTED_HEAD_DIMS:
             raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
         if arch not in SUPPORTED_ARCHS:

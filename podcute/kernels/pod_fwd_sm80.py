@@ -86,6 +86,8 @@ class PodAttentionSm80(PodKernelBase):
         mSinks: Optional[cute.Tensor],  # [Hq] fp32 sink logits (has_sinks) or None
         mKScale: Optional[cute.Tensor],  # (fp8 caches: the sm_90a kernel only)
         mVScale: Optional[cute.Tensor],
+        mKRagged: Optional[cute.Tensor],  # ragged_kv: request 0's K/V, [1, kv_len, Hkv, D]
+        mVRagged: Optional[cute.Tensor],
         mWork: cute.Tensor,  # [items, WORK_COLS] int32 (metadata.WorkCol)
         mCtaPtr: cute.Tensor,  # [grid + 1] int32
         mQStart: cute.Tensor,  # [B + 1] int32
@@ -117,8 +119,8 @@ class PodAttentionSm80(PodKernelBase):
 
         self.shared_storage = SharedStorage
         self.kernel(
-            mQ, mK, mV, mO, mLSE, mSinks, mWork, mCtaPtr, mQStart, mKvLen, mPageStart,
-            mPageList, mPartialO, mPartialLSE, mMerge, mSlotMerge, mMergeSem, mParams, mIParams,
+            mQ, mK, mV, mKRagged, mVRagged, mO, mLSE, mSinks, mWork, mCtaPtr, mQStart, mKvLen,
+            mPageStart, mPageList, mPartialO, mPartialLSE, mMerge, mSlotMerge, mMergeSem, mParams, mIParams,
             page_shift, tiled_mma_qk, tiled_mma_pv, sQ_layout, sKV_layout,
         ).launch(
             grid=[num_ctas, 1, 1],
@@ -136,6 +138,8 @@ class PodAttentionSm80(PodKernelBase):
         mQ: cute.Tensor,
         mK: cute.Tensor,
         mV: cute.Tensor,
+        mKRagged: Optional[cute.Tensor],
+        mVRagged: Optional[cute.Tensor],
         mO: cute.Tensor,
         mLSE: Optional[cute.Tensor],
         mSinks: Optional[cute.Tensor],
@@ -223,13 +227,13 @@ class PodAttentionSm80(PodKernelBase):
             self.load_q(mQ, sQ, q_gather, item)
             if n_min < n_max:
                 self.lookup_pages(pages, slots, kv_gather, mPageList, page_divisor, item, n_min)
-                self.load_kv(mK, sK, kv_gather, pages, slots, item)
+                self.load_kv(mK, mKRagged, sK, kv_gather, pages, slots, item)
             cute.arch.cp_async_commit_group()
             for n_block in cutlass.range(n_min, n_max, unroll=1):
                 # K of this tile (and Q) have landed; every warp is done with V's last tile.
                 cute.arch.cp_async_wait_group(0)
                 cute.arch.barrier()
-                self.load_kv(mV, sV, kv_gather, pages, slots, item)
+                self.load_kv(mV, mVRagged, sV, kv_gather, pages, slots, item)
                 cute.arch.cp_async_commit_group()
                 if n_block + 1 < n_max:
                     self.lookup_pages(pages, slots, kv_gather, mPageList, page_divisor, item,
@@ -247,7 +251,7 @@ class PodAttentionSm80(PodKernelBase):
                 cute.arch.cp_async_wait_group(0)
                 cute.arch.barrier()
                 if n_block + 1 < n_max:
-                    self.load_kv(mK, sK, kv_gather, pages, slots, item)
+                    self.load_kv(mK, mKRagged, sK, kv_gather, pages, slots, item)
                 cute.arch.cp_async_commit_group()
                 if busy:
                     warp_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt, None, None, None, copy_v,
@@ -281,17 +285,21 @@ class PodAttentionSm80(PodKernelBase):
         kv_end clamp to the item's last (layouts.clamp_token: no page-table entry past
         the request's pages is read, and those rows hold finite values that the mask and
         P = 0 discard)."""
+        ragged = item.reads_ragged(self.cfg.ragged_kv)
         for m in cutlass.range_constexpr(kv_gather.rows_per_thread):
             token = layouts.clamp_token(n_block * self.tile_n, kv_gather.row(m), item.kv_end)
-            pages[m], slots[m] = layouts.kv_locate(mPageList, item.page_start, token,
-                                                   page_divisor)
+            page, slot = layouts.kv_locate(mPageList, item.page_start, token, page_divisor)
+            pages[m], slots[m] = layouts.ragged_locate(page, slot, token, ragged)
 
     @cute.jit
-    def load_kv(self, mKV: cute.Tensor, sX: cute.Tensor, kv_gather: RowGather,
-                pages: cute.Tensor, slots: cute.Tensor, item: WorkItem):
-        """cp.async of one K or V tile from the looked-up rows."""
+    def load_kv(self, mKV: cute.Tensor, mKVRagged: Optional[cute.Tensor], sX: cute.Tensor,
+                kv_gather: RowGather, pages: cute.Tensor, slots: cute.Tensor, item: WorkItem):
+        """cp.async of one K or V tile from the looked-up rows (of the cache, or of the
+        ragged source for its request)."""
+        ragged = item.reads_ragged(self.cfg.ragged_kv)
         kv_gather.copy_rows(
-            sX, lambda m, r: layouts.kv_row_at(mKV, pages[m], slots[m], item.kv_head))
+            sX, lambda m, r: layouts.kv_row_in(mKV, mKVRagged, ragged, pages[m], slots[m],
+                                               item.kv_head))
 
     # ---- scores -----------------------------------------------------------------------
 

@@ -120,6 +120,8 @@ class PodAttentionSm90(PodKernelBase):
         mSinks: Optional[cute.Tensor],  # [Hq] fp32 sink logits (has_sinks) or None
         mKScale: Optional[cute.Tensor],  # fp8 cache: [Hkv] or [1] fp32 dequant scales
         mVScale: Optional[cute.Tensor],
+        mKRagged: Optional[cute.Tensor],  # ragged_kv: request 0's K/V, [1, kv_len, Hkv, D]
+        mVRagged: Optional[cute.Tensor],
         mWork: cute.Tensor,  # [items, WORK_COLS] int32 (metadata.WorkCol)
         mCtaPtr: cute.Tensor,  # [grid + 1] int32
         mQStart: cute.Tensor,  # [B + 1] int32
@@ -180,7 +182,7 @@ class PodAttentionSm90(PodKernelBase):
             merge_flag: cute.struct.MemRange[Int32, 1]
 
         self.shared_storage = SharedStorage
-        tma_atom_k = tma_atom_v = None
+        tma_atom_k = tma_atom_v = tma_atom_kr = tma_atom_vr = None
         if const_expr(self.tma_kv):
             # Boxes of (kv_box slots, one swizzle-atom column block) over (slot, dim,
             # kv_head, page): every box lies inside one page of one head and lands as a
@@ -194,10 +196,17 @@ class PodAttentionSm90(PodKernelBase):
                 op, layouts.kv_tma_view(mK), box_layout, box)
             tma_atom_v, mV = cpasync.make_tiled_tma_atom(
                 op, layouts.kv_tma_view(mV), box_layout, box)
+            if const_expr(self.cfg.ragged_kv):
+                # The ragged source is one page of kv_len slots: a box past its end is
+                # out of bounds on the slot mode, which TMA fills with zeros.
+                tma_atom_kr, mKRagged = cpasync.make_tiled_tma_atom(
+                    op, layouts.kv_tma_view(mKRagged), box_layout, box)
+                tma_atom_vr, mVRagged = cpasync.make_tiled_tma_atom(
+                    op, layouts.kv_tma_view(mVRagged), box_layout, box)
         self.kernel(
-            mQ, mK, mV, mO, mLSE, mSinks, mKScale, mVScale, mWork, mCtaPtr, mQStart, mKvLen,
+            mQ, mK, mV, mKRagged, mVRagged, mO, mLSE, mSinks, mKScale, mVScale, mWork, mCtaPtr, mQStart, mKvLen,
             mPageStart, mPageList, mPartialO, mPartialLSE, mMerge, mSlotMerge, mMergeSem, mParams,
-            mIParams, page_shift, tma_atom_k, tma_atom_v, tiled_mma_qk, tiled_mma_pv, sQ_layout,
+            mIParams, page_shift, tma_atom_k, tma_atom_v, tma_atom_kr, tma_atom_vr, tiled_mma_qk, tiled_mma_pv, sQ_layout,
             sK_layout, sV_layout, s8_layout, scratch_layout,
         ).launch(
             grid=[num_ctas, 1, 1],
@@ -216,6 +225,8 @@ class PodAttentionSm90(PodKernelBase):
         mQ: cute.Tensor,
         mK: cute.Tensor,
         mV: cute.Tensor,
+        mKRagged: Optional[cute.Tensor],
+        mVRagged: Optional[cute.Tensor],
         mO: cute.Tensor,
         mLSE: Optional[cute.Tensor],
         mSinks: Optional[cute.Tensor],
@@ -237,6 +248,8 @@ class PodAttentionSm90(PodKernelBase):
         page_shift: Int32,
         tma_atom_k: Optional[cute.CopyAtom],
         tma_atom_v: Optional[cute.CopyAtom],
+        tma_atom_kr: Optional[cute.CopyAtom],
+        tma_atom_vr: Optional[cute.CopyAtom],
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
         sQ_layout: cute.ComposedLayout,
@@ -275,6 +288,9 @@ class PodAttentionSm90(PodKernelBase):
             if warp_idx == 0:
                 cpasync.prefetch_descriptor(tma_atom_k)
                 cpasync.prefetch_descriptor(tma_atom_v)
+                if const_expr(self.cfg.ragged_kv):
+                    cpasync.prefetch_descriptor(tma_atom_kr)
+                    cpasync.prefetch_descriptor(tma_atom_vr)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -292,8 +308,8 @@ class PodAttentionSm90(PodKernelBase):
         if warp_idx < self.cfg.num_producer_threads // 32:
             cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
             self.produce(
-                mQ, mK, mV, mWork, mQStart, mKvLen, mPageStart, mPageList, page_shift,
-                tma_atom_k, tma_atom_v, sQ, sK, sV, sK8, sV8,
+                mQ, mK, mV, mKRagged, mVRagged, mWork, mQStart, mKvLen, mPageStart, mPageList,
+                page_shift, tma_atom_k, tma_atom_v, tma_atom_kr, tma_atom_vr, sQ, sK, sV, sK8, sV8,
                 storage.pages.get_tensor(cute.make_layout((self.tile_n, 2))),
                 pipeline_q, pipeline_k, pipeline_v, pipeline_k8, pipeline_v8, mCtaPtr[cta],
                 mCtaPtr[cta + 1],
@@ -384,6 +400,8 @@ class PodAttentionSm90(PodKernelBase):
         mQ: cute.Tensor,
         mK: cute.Tensor,
         mV: cute.Tensor,
+        mKRagged: Optional[cute.Tensor],
+        mVRagged: Optional[cute.Tensor],
         mWork: cute.Tensor,
         mQStart: cute.Tensor,
         mKvLen: cute.Tensor,
@@ -392,6 +410,8 @@ class PodAttentionSm90(PodKernelBase):
         page_shift: Int32,
         tma_atom_k: Optional[cute.CopyAtom],
         tma_atom_v: Optional[cute.CopyAtom],
+        tma_atom_kr: Optional[cute.CopyAtom],
+        tma_atom_vr: Optional[cute.CopyAtom],
         sQ: cute.Tensor,
         sK: cute.Tensor,
         sV: cute.Tensor,
@@ -448,25 +468,43 @@ class PodAttentionSm90(PodKernelBase):
                               group)
             if const_expr(self.tma_kv):
                 if warp == 0:  # one warp issues the boxes
-                    self.produce_kv_tma(
-                        mK, mV, mPageList, page_divisor, tma_atom_k, tma_atom_v, sK_in, sV_in,
-                        pipe_k_in, pipe_v_in, kv_count, item, n_min, n_max,
-                    )
+                    tma = partial(self.produce_kv_tma, mPageList=mPageList,
+                                  page_divisor=page_divisor, sK=sK_in, sV=sV_in,
+                                  pipeline_k=pipe_k_in, pipeline_v=pipe_v_in,
+                                  kv_count=kv_count, item=item, n_min=n_min, n_max=n_max)
+                    # The ragged source's item takes its own copy of the loop: a runtime
+                    # choice inside it would cost the 24-register producer spills.
+                    if const_expr(self.cfg.ragged_kv):
+                        if item.req == layouts.RAGGED_REQUEST:
+                            tma(mK=mKRagged, mV=mVRagged, tma_atom_k=tma_atom_kr,
+                                tma_atom_v=tma_atom_vr, ragged=True)
+                        else:
+                            tma(mK=mK, mV=mV, tma_atom_k=tma_atom_k, tma_atom_v=tma_atom_v)
+                    else:
+                        tma(mK=mK, mV=mV, tma_atom_k=tma_atom_k, tma_atom_v=tma_atom_v)
                 else:
                     if const_expr(self.fp8):
                         if group < self.cfg.converter_groups:
                             convert()
             else:
-                gather = partial(self.produce_kv_gather, mK, mV, mPageList, page_divisor,
-                                 kv_gather, sK_in, sV_in, sPages, pipe_k_in, pipe_v_in,
-                                 kv_count, item, n_min, n_max)
+                gather = partial(self.produce_kv_gather, mPageList=mPageList,
+                                 page_divisor=page_divisor, kv_gather=kv_gather, sK=sK_in,
+                                 sV=sV_in, sPages=sPages, pipeline_k=pipe_k_in,
+                                 pipeline_v=pipe_v_in, kv_count=kv_count, item=item,
+                                 n_min=n_min, n_max=n_max)
                 if const_expr(self.fp8):
                     if warp < self.cfg.num_loaders // 32:  # loaders, then converters
-                        gather()
+                        gather(mK=mK, mV=mV)
                     else:
                         convert()
-                else:
-                    gather()  # the whole warpgroup
+                else:  # the whole warpgroup
+                    if const_expr(self.cfg.ragged_kv):
+                        if item.req == layouts.RAGGED_REQUEST:
+                            gather(mK=mKRagged, mV=mVRagged, ragged=True)
+                        else:
+                            gather(mK=mK, mV=mV)
+                    else:
+                        gather(mK=mK, mV=mV)
             kv_count += n_max - n_min
 
     @property
@@ -524,7 +562,7 @@ class PodAttentionSm90(PodKernelBase):
     @cute.jit
     def produce_kv_tma(self, mK, mV, mPageList, page_divisor, tma_atom_k, tma_atom_v,
                        sK, sV, pipeline_k, pipeline_v, kv_count: Int32, item: WorkItem,
-                       n_min: Int32, n_max: Int32):
+                       n_min: Int32, n_max: Int32, ragged: cutlass.Constexpr[bool] = False):
         """TMA boxes of `kv_box` page slots x one swizzle column block for every K and V
         tile, issued by one warp (tile n_min is the pipeline's kv_count-th).
 
@@ -534,6 +572,8 @@ class PodAttentionSm90(PodKernelBase):
         Every tile is armed with its full size: boxes past kv_end re-read the box of
         the item's last token (its own page), whose K scores the consumer masks and
         whose V rows it zeroes. No page-table entry past the request's pages is read.
+        `ragged`: mK/mV are the ragged source, one page of the item's tokens (no page
+        table; boxes past its end are zero-filled).
         """
         tile_n, kv_box = self.tile_n, self.cfg.kv_box
         boxes = tile_n // kv_box
@@ -541,7 +581,7 @@ class PodAttentionSm90(PodKernelBase):
         tVsV, tVgV = self._tma_tiles(tma_atom_v, mV, sV, item.kv_head)
         pieces = cute.size(tKsK, mode=[2])  # column blocks of a box row
         lane_box = cute.arch.lane_idx() % boxes
-        locate = partial(self._locate_box, mPageList, page_divisor, item, lane_box)
+        locate = partial(self._locate_box, mPageList, page_divisor, item, lane_box, ragged)
         # fp8: each tile's page lookup is issued one tile ahead, before the waits of the
         # tile before it (a 64-token fp8 tile leaves the global load's latency less room).
         # (16-bit variants keep the in-place lookup their sanitizer runs vouch for.)
@@ -565,12 +605,14 @@ class PodAttentionSm90(PodKernelBase):
 
     @cute.jit
     def _locate_box(self, mPageList, page_divisor, item: WorkItem, lane_box: Int32,
-                    n_block: Int32):
+                    ragged: cutlass.Constexpr[bool], n_block: Int32):
         """(page, box within the page) of this lane's box of KV tile n_block (tokens past
-        kv_end clamp to the item's last one)."""
+        kv_end clamp to the item's last one); on the ragged source, page 0."""
         token = layouts.clamp_token(n_block * self.tile_n, lane_box * self.cfg.kv_box,
                                     item.kv_end)
-        page, slot = layouts.kv_locate(mPageList, item.page_start, token, page_divisor)
+        page, slot = Int32(0), token
+        if const_expr(not ragged):
+            page, slot = layouts.kv_locate(mPageList, item.page_start, token, page_divisor)
         return page, slot // self.cfg.kv_box
 
     @cute.jit
@@ -605,7 +647,7 @@ class PodAttentionSm90(PodKernelBase):
     @cute.jit
     def produce_kv_gather(self, mK, mV, mPageList, page_divisor, kv_gather, sK, sV, sPages,
                           pipeline_k, pipeline_v, kv_count: Int32, item: WorkItem,
-                          n_min: Int32, n_max: Int32):
+                          n_min: Int32, n_max: Int32, ragged: cutlass.Constexpr[bool] = False):
         """cp.async gather of K/V page rows by the whole producer warpgroup (tile n_min is
         the pipeline's kv_count-th).
 
@@ -613,12 +655,16 @@ class PodAttentionSm90(PodKernelBase):
         (`sPages`, double-buffered by tile parity): K and V and every thread copying a
         row share the lookup, and the next tile's lookups overlap this tile's copies.
         Rows past kv_end re-read the item's last token (layouts.clamp_token): the
-        consumer masks them, and no garbage/NaN slot is ever read.
+        consumer masks them, and no garbage/NaN slot is ever read. `ragged`: mK/mV are
+        the ragged source, one page of the item's tokens: rows need no lookup (the
+        barrier stays, so sPages' double-buffering holds across items of both sources).
         """
         tile_n = self.tile_n
         tidx = cute.arch.thread_idx()[0]
-        if n_min < n_max:
-            self.lookup_pages(sPages, kv_count % 2, mPageList, page_divisor, item, n_min, tidx)
+        if const_expr(not ragged):
+            if n_min < n_max:
+                self.lookup_pages(sPages, kv_count % 2, mPageList, page_divisor, item, n_min,
+                                  tidx)
         for n_block in cutlass.range(n_min, n_max, unroll=1):
             first_token = n_block * tile_n
             buf = (kv_count + n_block - n_min) % 2
@@ -629,6 +675,8 @@ class PodAttentionSm90(PodKernelBase):
             def row_of(mKV):
                 def gmem_row(m, r):
                     token = layouts.clamp_token(first_token, r, item.kv_end)
+                    if const_expr(ragged):
+                        return layouts.kv_row_at(mKV, 0, token, item.kv_head)
                     _, slot = layouts.split_token(token, page_divisor)
                     return layouts.kv_row_at(mKV, sPages[r, buf], slot, item.kv_head)
                 return gmem_row
@@ -644,9 +692,10 @@ class PodAttentionSm90(PodKernelBase):
             pipeline_v.producer_commit(kv_state)
             # The other buffer was last read for the previous tile, before this tile's
             # barrier: the next tile's lookups may go in now.
-            if n_block + 1 < n_max:
-                self.lookup_pages(sPages, 1 - buf, mPageList, page_divisor, item, n_block + 1,
-                                  tidx)
+            if const_expr(not ragged):
+                if n_block + 1 < n_max:
+                    self.lookup_pages(sPages, 1 - buf, mPageList, page_divisor, item,
+                                      n_block + 1, tidx)
 
     @cute.jit
     def lookup_pages(self, sPages: cute.Tensor, buf: Int32, mPageList: cute.Tensor,

@@ -6,6 +6,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
+from podcute.layouts import RAGGED_REQUEST
 from podcute.kernels.metadata import KIND_BITS, KIND_MASK, Kind, WorkCol
 from podcute.kernels.visibility import tile_bounds
 
@@ -49,6 +50,11 @@ class WorkItem:
             kv_len=mKvLen[req],
             page_start=mPageStart[req],
         )
+
+    def reads_ragged(self, ragged_kv: bool):
+        """Whether this item's K/V come from a `ragged_kv` variant's ragged source (its
+        request layouts.RAGGED_REQUEST); None in a variant without one (compile time)."""
+        return self.req == Int32(RAGGED_REQUEST) if ragged_kv else None
 
     def tile_bounds(self, row_start, group: int, causal: bool, tile_n: int, right=0):
         """(n_min, n_max, mask_from) of this item's KV tiles for rows from `row_start`
