@@ -11,6 +11,10 @@ racecheck follows, where it flagged the named-barrier hand-overs.
 
 from enum import IntEnum
 
+from cutlass import Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
+
 MAX_MMA_WARPGROUPS = 2
 
 
@@ -29,3 +33,18 @@ class NamedBarrier(IntEnum):
     # producer warpgroup syncs, so no warp of the CTA exits while others still run.
     # (The decode combine hands over through an mbarrier pipeline, not a named barrier.)
     CTA_END = PRODUCER + 1
+
+
+@dsl_user_op
+def barrier_or(pred, barrier_id: int, number_of_threads: int, *, loc=None, ip=None) -> Int32:
+    """A named barrier (`bar.red.or`) that also returns 1 to every participating thread if
+    any of them passed a nonzero `pred`, else 0: one thread's verdict reaches all
+    without a shared-memory flag (which racecheck saw as a hand-over across a named
+    barrier). The DSL's barrier has no reduction form, hence the PTX."""
+    return Int32(llvm.inline_asm(
+        Int32.mlir_type, [Int32(pred).ir_value(loc=loc, ip=ip)],
+        "{\n\t.reg .pred p, q;\n\tsetp.ne.u32 p, $1, 0;\n\t"
+        f"bar.red.or.pred q, {int(barrier_id)}, {int(number_of_threads)}, p;\n\t"
+        "selp.u32 $0, 1, 0, q;\n\t}",
+        "=r,r", has_side_effects=True, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))

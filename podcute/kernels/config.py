@@ -236,7 +236,7 @@ class KernelConfig:
         + warpgroup 1's O staging + the gather's page lookups + barriers and alignment
         (the kernel's SharedStorage)."""
         e, d = self.elem_bytes, self.head_dim
-        if self.warp_mma:  # Q, K and V tiles and the merge flag
+        if self.warp_mma:  # Q, K and V tiles (and 1 KB of alignment slack)
             return (self.tile_m_prefill + 2 * self.num_stages * self.tile_n) * d * e + 1024
         q = self.tile_m_prefill * d * e
         kv = 2 * self.num_stages * self.tile_n * d * e

@@ -115,7 +115,6 @@ class PodAttentionSm80(PodKernelBase):
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
-            merge_flag: cute.struct.MemRange[Int32, 1]
 
         self.shared_storage = SharedStorage
         self.kernel(
@@ -168,7 +167,6 @@ class PodAttentionSm80(PodKernelBase):
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
         sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
-        sFlag = storage.merge_flag.get_tensor(cute.make_layout(1))
         # V^T view (D, tile_n) of the row-major V tile: the B operand of P V.
         sVt = cute.composition(sV, cute.make_ordered_layout((d, tile_n), order=(1, 0)))
 
@@ -260,7 +258,7 @@ class PodAttentionSm80(PodKernelBase):
                           mPartialLSE, tidx)
             if item.split_slot >= 0:
                 finish_split(mO, mLSE, mPartialO, mPartialLSE, mMerge, mSlotMerge, mMergeSem,
-                             mQStart, sFlag, item.split_slot, self.group, d, tidx,
+                             mQStart, item.split_slot, self.group, d, tidx,
                              self.num_threads, barrier_id=NamedBarrier.MMA, mSinks=mSinks)
             # Every copy has landed and every warp is done with sQ, sK and sV before the
             # next item's copies overwrite them.

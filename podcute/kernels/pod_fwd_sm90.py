@@ -179,7 +179,6 @@ class PodAttentionSm90(PodKernelBase):
             scratch: cute.struct.Align[cute.struct.MemRange[Float32, scratch_words], 128]
             staging1: cute.struct.Align[cute.struct.MemRange[self.dtype, staging_elems], 128]
             pages: cute.struct.MemRange[Int32, 2 * self.tile_n]  # gather: page of each row
-            merge_flag: cute.struct.MemRange[Int32, 1]
 
         self.shared_storage = SharedStorage
         tma_atom_k = tma_atom_v = tma_atom_kr = tma_atom_vr = None
@@ -325,7 +324,7 @@ class PodAttentionSm90(PodKernelBase):
             self.consume(
                 mO, mLSE, mSinks, mKScale, mVScale, mWork, mQStart, mKvLen, mPageStart,
                 mPartialO, mPartialLSE,
-                mMerge, mSlotMerge, mMergeSem, storage.merge_flag.get_tensor(cute.make_layout(1)),
+                mMerge, mSlotMerge, mMergeSem,
                 storage.scratch.get_tensor(scratch_layout),
                 staging_tile(storage.scratch.data_ptr(), self.dtype, WG_ROWS, self.head_dim,
                              staging_row),
@@ -727,7 +726,6 @@ class PodAttentionSm90(PodKernelBase):
         mMerge: cute.Tensor,
         mSlotMerge: cute.Tensor,
         mMergeSem: cute.Tensor,
-        sFlag: cute.Tensor,
         sScratch: cute.Tensor,
         sStage0: cute.Tensor,
         sStage1: cute.Tensor,
@@ -865,7 +863,7 @@ class PodAttentionSm90(PodKernelBase):
             if item.split_slot >= 0:
                 finish_split(
                     mO, mLSE, mPartialO, mPartialLSE, mMerge, mSlotMerge, mMergeSem, mQStart,
-                    sFlag, item.split_slot, self.group, d, mma_tidx, self.num_mma_threads,
+                    item.split_slot, self.group, d, mma_tidx, self.num_mma_threads,
                     barrier_id=NamedBarrier.MMA, mSinks=mSinks,
                 )
             i += 1

@@ -14,6 +14,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from podcute import layouts
+from podcute.kernels.barriers import barrier_or
 from podcute.kernels.metadata import MergeCol
 
 COLS_PER_THREAD = 4
@@ -94,7 +95,6 @@ def finish_split(
     mSlotMerge: cute.Tensor,  # [slots]: merge row of each split slot
     mMergeSem: cute.Tensor,  # [merges] int32, zero between launches
     mQStart: cute.Tensor,
-    sFlag: cute.Tensor,  # one Int32 of shared memory
     split_slot: Int32,
     group: cutlass.Constexpr[int],
     head_dim: cutlass.Constexpr[int],
@@ -107,18 +107,19 @@ def finish_split(
 
     Release: every thread fences its partial stores at GPU scope before the barrier, and
     one thread then increments the group's semaphore. The thread that sees count
-    splits - 1 is the last; its warpgroup fences again (acquire) and reads every split's
-    partials, then resets the semaphore so the next launch starts from zero.
+    splits - 1 is the last; a barrier that ORs its verdict into every thread
+    (`barrier_or`) tells the others, which fence again (acquire) and read every split's
+    partials; then it resets the semaphore so the next launch starts from zero.
     """
     m = mSlotMerge[split_slot]
     num_splits = mMerge[m, MergeCol.NUM_SPLITS]
     cute.arch.fence_acq_rel_gpu()
     cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
+    last = Int32(0)
     if tidx == 0:
         done = cute.arch.atomic_add(mMergeSem.iterator + m, Int32(1), sem="acq_rel", scope="gpu")
-        sFlag[0] = Int32(done == num_splits - 1)
-    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
-    if sFlag[0] != 0:
+        last = Int32(done == num_splits - 1)
+    if barrier_or(last, barrier_id, num_threads) != 0:
         cute.arch.fence_acq_rel_gpu()
         req = mMerge[m, MergeCol.REQ]
         kv_head = mMerge[m, MergeCol.KV_HEAD]
@@ -134,5 +135,3 @@ def finish_split(
                     num_splits, tidx, num_threads, head_dim, mSinks, kv_head, group)
         if tidx == 0:
             mMergeSem[m] = Int32(0)
-    # sFlag is rewritten by the next split this warpgroup finishes.
-    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
