@@ -609,7 +609,7 @@ class PODWithPagedKVCacheWrapper(_Wrapper):
         self._float_workspace_buffer = float_workspace_buffer
         self._int_workspace_buffer = None
         self._decode = None  # the decode batch's PODAttention, planned
-        self._decode_inputs = None  # its host (indptr, indices, last_page_len, causal)
+        self._decode_inputs = None  # its host (indptr, indices, last_page_len)
         self._prefill_key = None  # what the prefill's current plan was made for
         self._fused = None  # the fused batch's PODAttention, planned for _fused_key
         self._fused_key = None  # the prefill facts of the fused plan (kept across plan())
@@ -665,7 +665,7 @@ class PODWithPagedKVCacheWrapper(_Wrapper):
             attn.plan(np.arange(B + 1, dtype=np.int32), kv_indptr=ip, kv_indices=indices,
                       last_page_len=last, causal=causal, sm_scale=sm_scale, window_size=window)
         self._decode = attn
-        self._decode_inputs = (ip, indices[: ip[-1]], last, causal)
+        self._decode_inputs = (ip, indices[: ip[-1]], last)
         if self._fused_key is not None:
             # Re-plan the fused batch for the last prefill now, so a captured run()
             # replays this decode batch.
@@ -733,8 +733,8 @@ class PODWithPagedKVCacheWrapper(_Wrapper):
             q = _rows_in_sequence(q_p, q_d)
             if q is None:
                 q = torch.cat((q_p, q_d))
-            ragged = [(t if kv_layout_p == "NHD" else t.transpose(0, 1)).unsqueeze(0)
-                      for t in (k_p, v_p)]
+            # k_p / v_p as one page of all their tokens (canonical: the kernel's own view)
+            ragged = [_ragged_as_pages(t, kv_layout_p, kv_len, "NHD") for t in (k_p, v_p)]
             out = self._fused.run(q, k_d, v_d, _ragged_kv=ragged, **scales)
             return out[: q_p.shape[0]], out[q_p.shape[0]:]
         prefill, k_pages, v_pages = self._plan_prefill(q_p, k_p, v_p, kv_layout_p, causal_p,
@@ -747,16 +747,16 @@ class PODWithPagedKVCacheWrapper(_Wrapper):
         without KV beside a causal prefill (causal needs q_len <= kv_len)."""
         decode = self._decode
         plan = decode.current_plan
-        scale_p = 1.0 / math.sqrt(decode.head_dim) if sm_scale_p is None else sm_scale_p
+        with _flashinfer_names({"sm_scale": "sm_scale_p"}):
+            scale_p = decode.planner._kernel_scale(sm_scale_p)  # (the planner's default)
         return (not decode.fp8 and kv_len > 0 and scale_p == plan.sm_scale
-                and window_p[0] == plan.options.window_left
-                and (self._decode_inputs[3] or not causal_p))
+                and window_p[0] == plan.options.window_left and (plan.causal or not causal_p))
 
     def _plan_fused(self, q_len, kv_len, causal_p, sm_scale_p, window_p) -> None:
         """Plan [prefill; decode batch] as one batch: the prefill is request 0, whose page
         entries (page 0, looked up but never read) stand for its ragged K/V."""
         decode = self._decode
-        ip, indices, last, _ = self._decode_inputs
+        ip, indices, last = self._decode_inputs
         page = decode.page_size
         n0 = -(-kv_len // page)
         attn = self._attention("fused", decode.num_qo_heads, decode.num_kv_heads,
