@@ -296,7 +296,7 @@ def host_overhead(calls: int) -> dict:
         from podcute.launch import _kernel
         plan = attn.current_plan
         pod = _kernel(q.device, q.dtype, plan.config, plan.options, False, False)
-        raw_args = (q, k, v, out, None, None, None, None, *plan.kernel_args)
+        raw_args = (q, k, v, out, None, None, None, None, None, None, *plan.kernel_args)
 
         def raw():
             pod(*raw_args)

@@ -297,6 +297,7 @@ class PODAttention:
                                dtype=str(dtype).replace("torch.", ""),
                                kv_dtype=_FP8_DTYPES.get(kv_dtype, ""), arch=self.arch)
         self._plan: Plan | None = None
+        self._device_ok = False  # run()'s require_arch passed (it cannot fail later)
         self._page_arg = "block_table"
         self._cache_tail = ((page_size, num_kv_heads, head_dim) if kv_layout == "NHD"
                             else (num_kv_heads, page_size, head_dim))
@@ -519,6 +520,14 @@ class PODAttention:
         # error) takes the detailed checks below, which name the argument at fault.
         if not self._common_case(plan, q, k_cache, v_cache, out):
             self._validate_run(plan, q, k_cache, v_cache, out)
+        return self._run_checked(plan, q, k_cache, v_cache, out, return_lse, lse, sinks,
+                                 k_scale, v_scale, _ragged_kv)
+
+    def _run_checked(self, plan: Plan, q, k_cache, v_cache, out, return_lse, lse, sinks,
+                     k_scale, v_scale, _ragged_kv=None):
+        """run() once q, the caches and out passed _common_case or _validate_run for
+        `plan` (the one-shot entry points call it after their own _common_case): the
+        optional tensors' checks, then the launch."""
         if lse is not None:
             self._check_lse(lse, q, k_cache, v_cache, out)
             return_lse = True
@@ -534,8 +543,11 @@ class PODAttention:
                              f"PODAttention's caches are {self.kv_dtype})")
         if _ragged_kv is not None:
             self._check_ragged_kv(plan, q, _ragged_kv)
-        # Only now the device: never fall back to the reference silently.
-        require_arch(q.device, self.arch)
+        # Only now the device: never fall back to the reference silently. (q is on
+        # self.device, checked above; a device that passed once always passes.)
+        if not self._device_ok:
+            require_arch(self.device, self.arch)
+            self._device_ok = True
         if not self.planner.frozen and torch.cuda.is_current_stream_capturing():
             self.planner.freeze()  # the graph holds the buffers' addresses from now on
         if out is None:
@@ -696,14 +708,45 @@ def pod_attention(q, k_cache, v_cache, *, cu_seqlens_q, seqused_k, block_table, 
     next calls while their index tensors are the same and unchanged (``podcute.reuse``:
     per layer of a step only the first call plans); pass the index tensors on the CPU to
     keep that plan() free of GPU syncs."""
+    window = tuple(window_size) if isinstance(window_size, (tuple, list)) else window_size
+    index = (cu_seqlens_q, seqused_k, block_table)
+    scalars = (causal, sm_scale, window, softcap, batch_invariant)
+    hit = one_shot_fast(_LAST_POD, kv_layout, index, scalars, q, k_cache, v_cache, out)
+    if hit is not None:
+        return hit._run_checked(hit._plan, q, k_cache, v_cache, out, return_lse, None, sinks,
+                                k_scale, v_scale)
     _check_layout(kv_layout)
     att, planner = one_shot_for(q, k_cache, v_cache, kv_layout)
-    window = tuple(window_size) if isinstance(window_size, (tuple, list)) else window_size
-    planner.plan((cu_seqlens_q, seqused_k, block_table),
-                 (causal, sm_scale, window, softcap, batch_invariant),
+    planner.plan(index, scalars,
                  lambda: att.plan(cu_seqlens_q, seqused_k, block_table=block_table,
                                   causal=causal, sm_scale=sm_scale, window_size=window,
                                   softcap=softcap, batch_invariant=batch_invariant,
                                   _kv_name="seqused_k"))
-    return att.run(q, k_cache, v_cache, out=out, return_lse=return_lse, sinks=sinks,
-                   k_scale=k_scale, v_scale=v_scale)
+    res = att.run(q, k_cache, v_cache, out=out, return_lse=return_lse, sinks=sinks,
+                  k_scale=k_scale, v_scale=v_scale)
+    _LAST_POD[kv_layout] = (att, planner)
+    return res
+
+
+# kv_layout -> the (PODAttention, CallPlanner) of pod_attention's last call that launched.
+_LAST_POD: dict = {}
+
+
+def one_shot_fast(last: dict, slot, index: tuple, scalars: tuple, q, k_cache, v_cache, out):
+    """The per-layer path of a one-shot entry point: the PODAttention of the entry point's
+    last launching call (`last[slot]`) if its plan serves this call's metadata
+    (CallPlanner.reuses) and the tensors pass that attention's run() checks, which fix the
+    configuration (q's and the caches' dims, dtypes and device) as one_shot_for() would
+    find it; else None, and the caller takes the full path. `slot` must tell apart what
+    the tensors' shapes cannot (the cache layout)."""
+    try:
+        hit = last.get(slot)
+    except TypeError:  # an unhashable slot: the full path names the bad argument
+        return None
+    if hit is None:
+        return None
+    att, planner = hit
+    if (planner.reuses(index, scalars)
+            and att._common_case(att._plan, q, k_cache, v_cache, out)):
+        return att
+    return None

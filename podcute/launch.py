@@ -107,8 +107,13 @@ def launch(plan, q, k_cache, v_cache, out, lse, kv_layout: str = "NHD", sinks=No
     captured launch replays with whatever plan() wrote last.
     Raises RuntimeError naming what is needed when the device cannot run the plan's kernel.
     """
-    pod = _kernel(q.device, q.dtype, plan.config, plan.options, lse is not None,
-                  sinks is not None, ragged_kv is not None)
+    # A plan serves one PODAttention, whose checks fixed q's dtype and device.
+    flags = (lse is not None) | (sinks is not None) << 1 | (ragged_kv is not None) << 2
+    pod = plan._kernels[flags]
+    if pod is None:
+        pod = plan._kernels[flags] = _kernel(q.device, q.dtype, plan.config, plan.options,
+                                             lse is not None, sinks is not None,
+                                             ragged_kv is not None)
     if kv_layout == "HND":
         # The kernel addresses (page, slot, head, dim); HND is that view with two strides
         # swapped (layouts.canonical_kv in torch terms), so both layouts share one variant.

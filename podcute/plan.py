@@ -338,6 +338,9 @@ class Plan:
     # the planner's whole-buffer device views (name -> tensor) and this plan's page entries
     _buffers: dict = field(repr=False, default=None)
     _num_page_entries: int = field(repr=False, default=0)
+    # launch's compiled kernels of this plan, by its flags (lse | sinks << 1 | ragged << 2):
+    # a list index per run() instead of a dict lookup that hashes the whole configuration
+    _kernels: list = field(repr=False, default_factory=lambda: [None] * 8)
 
     @property
     def item_cost_us(self) -> np.ndarray:  # predicted time of each work row

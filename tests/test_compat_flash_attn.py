@@ -118,16 +118,16 @@ def test_descales_as_vllm_passes_them(monkeypatch):
     with pytest.raises(TypeError, match="q_descale"):
         vllm_call(dict(b), q_descale=1.0)
     seen = {}
-    orig = podcute.PODAttention.run
+    orig = podcute.PODAttention._run_checked  # what run() and the compat path launch through
 
-    def spy(self, *a, **kw):
-        seen.update(kw)
-        return orig(self, *a, **kw)
+    def spy(self, plan, q, k, v, out, return_lse, lse, sinks, k_scale, v_scale, *a):
+        seen.update(k_scale=k_scale, v_scale=v_scale)
+        return orig(self, plan, q, k, v, out, return_lse, lse, sinks, k_scale, v_scale, *a)
 
     b8 = dict(b, k=b["k"].to(torch.float8_e4m3fn), v=b["v"].to(torch.float8_e4m3fn))
     per_head, scalar = torch.rand(HKV) + 0.5, torch.rand(1) + 0.5
     with monkeypatch.context() as m:
-        m.setattr(podcute.PODAttention, "run", spy)
+        m.setattr(podcute.PODAttention, "_run_checked", spy)
         vllm_call(b8, q_descale=ones, k_descale=per_head.expand(shape),
                   v_descale=scalar.expand(shape))
     assert seen["k_scale"].shape == (HKV,) and seen["k_scale"].data_ptr() == per_head.data_ptr()
@@ -289,3 +289,146 @@ def test_contiguous_token_pages_share_one_array():
     big = fa._TOKEN_PAGES
     assert big.size >= 1000
     assert fa._token_pages(999).base is big and fa._token_pages(0).size == 0
+
+
+# ---- the per-layer path (launch recorded instead of run on a GPU) ----------------------
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """run() completes on this CPU machine: the device check passes and launch() records
+    (plan, q, k_cache, v_cache, out, lse, keywords) instead of launching."""
+    from podcute.compat import flash_attn as fa
+
+    rec = []
+    monkeypatch.setattr(api, "require_arch", lambda *a, **kw: None)
+    monkeypatch.setattr(api, "launch", lambda plan, q, k, v, out, lse, **kw:
+                        rec.append((plan, q, k, v, out, lse, kw)))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+
+    def reset():
+        api._LAST_POD.clear()
+        fa._LAST.clear()
+        podcute.invalidate_plans()
+        for att, _ in api._ONE_SHOT.values():
+            att._device_ok = False  # the stub's pass must not outlive it
+    reset()
+    yield rec
+    reset()
+
+
+def pod_call(b, **kw):
+    return podcute.pod_attention(b["q"], b["k"], b["v"], cu_seqlens_q=b["cu"],
+                                 seqused_k=b["kvl"], block_table=b["bt"], **kw)
+
+
+def test_layers_reuse_the_plan_and_any_change_replans(launches):
+    b = batch()
+    out = torch.empty_like(b["q"])
+    for _ in range(3):
+        assert pod_call(b, out=out) is out
+    plans = [r[0] for r in launches]
+    assert plans[0] is plans[1] is plans[2] and launches[2][1] is b["q"]
+    b["kvl"].add_(1)  # an in-place write moves the version counter
+    pod_call(b, out=out)
+    assert launches[-1][0] is not plans[0] and launches[-1][0].kv_len.tolist() == [41, 18]
+    b["kvl"].data = torch.tensor([40, 10], **I32)  # re-pointed: no version counter moves
+    pod_call(b)
+    assert launches[-1][0].kv_len.tolist() == [40, 10]
+    # Same address and shape, other strides (a .data view): request 1's pages differ.
+    base = torch.tensor([0, 1, 2, 3, 4, 7, 5, 6], **I32)
+    b["bt"] = base[:6].view(2, 3)
+    pod_call(b)
+    assert launches[-1][0].page_list.tolist()[3:] == [3, 4, 7]
+    b["bt"].data = base.as_strided((2, 3), (4, 1))
+    p = launches[-1][0]
+    pod_call(b)
+    assert launches[-1][0] is not p and launches[-1][0].page_list.tolist()[3:] == [4, 7, 5]
+    # A new tensor object over unchanged memory compares by fingerprint: reused.
+    p = launches[-1][0]
+    b["cu"] = b["cu"].view(3)
+    pod_call(b)
+    assert launches[-1][0] is p
+    # A scalar change replans.
+    pod_call(b, causal=False)
+    assert launches[-1][0] is not p and not launches[-1][0].causal
+
+
+def test_layer_path_finds_each_configuration(launches):
+    """The per-layer path starts from the last call's attention; a call of another head
+    count, head dim or cache layout must still get its own (and bad shapes their errors)."""
+    b = batch()
+    pod_call(b)
+    wide = dict(b, q=torch.randn(21, 2 * HQ, D, dtype=torch.bfloat16))
+    pod_call(wide)
+    att_wide = api.one_shot_attention(2 * HQ, HKV, D, PS, torch.bfloat16, "NHD",
+                                      torch.device("cpu"))[0]
+    assert launches[-1][0] is att_wide.current_plan and launches[-1][1] is wide["q"]
+    pod_call(b)
+    assert launches[-1][0] is one_shot()[0].current_plan
+    with pytest.raises(ValueError, match="head_dim"):
+        pod_call(dict(b, q=b["q"][..., :80], k=b["k"][..., :80], v=b["v"][..., :80]))
+    with pytest.raises(ValueError, match="kv_layout"):
+        pod_call(b, kv_layout="NDH")
+    # Hkv == page_size: an NHD and an HND cache have one shape; the layout tells them apart.
+    sq = dict(b, q=torch.randn(21, 16, D, dtype=torch.bfloat16),
+              k=torch.randn(8, 16, 16, D, dtype=torch.bfloat16),
+              v=torch.randn(8, 16, 16, D, dtype=torch.bfloat16))
+    pod_call(sq)
+    pod_call(sq, kv_layout="HND")
+    hnd = api.one_shot_attention(16, 16, D, 16, torch.bfloat16, "HND", torch.device("cpu"))[0]
+    assert launches[-1][0] is hnd.current_plan
+    pod_call(sq)
+    nhd = api.one_shot_attention(16, 16, D, 16, torch.bfloat16, "NHD", torch.device("cpu"))[0]
+    assert launches[-1][0] is nhd.current_plan and nhd is not hnd
+
+
+def test_flash_attn_layer_path(launches):
+    """vLLM's per-layer call: descales (unused for a bf16 cache, run()'s scales for fp8)
+    and softmax_lse [Hq, total_q] on the path that skips the argument mapping."""
+    b = batch()
+    ones = torch.ones(1).expand(2, HKV)
+    for _ in range(2):
+        out, lse = flash_attn_varlen_func(
+            b["q"], b["k"], b["v"], 20, b["cu"], 40, seqused_k=b["kvl"], block_table=b["bt"],
+            causal=True, q_descale=ones, k_descale=ones, v_descale=ones,
+            return_softmax_lse=True)
+        assert lse.shape == (HQ, 21) and launches[-1][5].data_ptr() == lse.data_ptr()
+        assert launches[-1][5].stride() == (1, 21) and launches[-1][6]["k_scale"] is None
+    assert launches[0][0] is launches[1][0]
+    b8 = dict(b, k=b["k"].to(torch.float8_e4m3fn), v=b["v"].to(torch.float8_e4m3fn))
+    per_head = torch.rand(HKV) + 0.5
+    for _ in range(2):
+        vllm_call_ok = flash_attn_varlen_func(
+            b8["q"], b8["k"], b8["v"], 20, b["cu"], 40, seqused_k=b["kvl"],
+            block_table=b["bt"], causal=True, k_descale=per_head.expand(2, HKV))
+        assert vllm_call_ok.shape == b["q"].shape
+        ks = launches[-1][6]["k_scale"]
+        assert ks.data_ptr() == per_head.data_ptr() and ks.shape == (HKV,)
+    assert launches[-1][0] is launches[-2][0] is not launches[0][0]
+    b["bt"][1, 2] = 6  # the next step writes the page table in place
+    flash_attn_varlen_func(b["q"], b["k"], b["v"], 20, b["cu"], 40, seqused_k=b["kvl"],
+                           block_table=b["bt"], causal=True)
+    assert launches[-1][0].page_list.tolist()[3:] == [3, 4, 6]
+    with pytest.raises(TypeError, match="k_descale"):
+        flash_attn_varlen_func(b["q"], b["k"], b["v"], 20, b["cu"], 40, seqused_k=b["kvl"],
+                               block_table=b["bt"], causal=True, k_descale=1.0)
+
+
+def test_inference_mode_metadata(launches):
+    """Index tensors made under torch.inference_mode() have no version counter: CPU ones
+    are compared by content (reused while equal, replanned after a write), device ones
+    plan every call (never a stale plan)."""
+    with torch.inference_mode():
+        b = batch()
+        pod_call(b)
+        pod_call(b)
+        assert launches[0][0] is launches[1][0]
+        b["kvl"][1] = 9
+        pod_call(b)
+        assert launches[2][0] is not launches[0][0]
+        assert launches[2][0].kv_len.tolist() == [40, 9]
+        flash_attn_varlen_func(b["q"], b["k"], b["v"], 20, b["cu"], 40, seqused_k=b["kvl"],
+                               block_table=b["bt"], causal=True)
+        meta = torch.zeros(3, device="meta", dtype=torch.int32)
+        assert fingerprint(meta) != fingerprint(meta)

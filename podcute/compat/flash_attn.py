@@ -49,7 +49,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from podcute.api import one_shot_for
+from podcute.api import one_shot_fast, one_shot_for
 
 __all__ = ["flash_attn_varlen_func", "flash_attn_varlen_plan"]
 
@@ -163,19 +163,59 @@ def flash_attn_varlen_func(q, k, v, max_seqlen_q=None, cu_seqlens_q=None, max_se
                            page_table=None, seqused_q=None, return_lse=None, pack_gqa=None,
                            sm_margin=0):
     """Varlen attention over a paged (or contiguous) KV cache (module docstring)."""
+    if return_lse is not None:
+        return_softmax_lse = bool(return_lse)
+    if (block_table is not None and seqused_k is not None and page_table is None
+            and cu_seqlens_k is None and type(max_seqlen_q) is int and max_seqlen_q >= 0
+            and type(max_seqlen_k) is int and max_seqlen_k >= 0 and not dropout_p
+            and q_v is None and alibi_slopes is None and not return_attn_probs
+            and seqused_q is None and cp_world_size == 1 and cp_rank == 0
+            and cp_tot_seqused_k is None and (causal is True or causal is False)
+            and (q_descale is None or type(q_descale) is torch.Tensor)):
+        # A layer's call in vLLM's form (each test above is one _Call.of would pass):
+        # launch straight away if the last paged call's plan serves it.
+        att = one_shot_fast(_LAST, "paged", (cu_seqlens_q, seqused_k, None, block_table),
+                            _scalars(causal, softmax_scale, window_size, softcap), q, k, v,
+                            out)
+        if att is not None:
+            return _run(att, att._plan, q, k, v, out, s_aux, return_softmax_lse,
+                        _descale("k_descale", k_descale, att.fp8),
+                        _descale("v_descale", v_descale, att.fp8))
     call = _Call.of(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k,
                     seqused_k, q_v, dropout_p, softmax_scale, causal, window_size, softcap,
                     alibi_slopes, return_attn_probs, block_table, q_descale, k_descale,
                     v_descale, cp_world_size, cp_rank, cp_tot_seqused_k, page_table,
                     seqused_q)
-    if return_lse is not None:
-        return_softmax_lse = bool(return_lse)
     att = call.plan()
+    plan = att.current_plan
+    if not att._common_case(plan, q, call.k_cache, call.v_cache, out):
+        att._validate_run(plan, q, call.k_cache, call.v_cache, out)
+    res = _run(att, plan, q, call.k_cache, call.v_cache, out, s_aux, return_softmax_lse,
+               call.scales.get("k_scale"), call.scales.get("v_scale"))
+    if block_table is not None:
+        _LAST["paged"] = (att, call.planner)
+    return res
+
+
+# "paged" -> the (PODAttention, CallPlanner) of the last paged call that launched.
+_LAST: dict = {}
+
+
+def _scalars(causal, softmax_scale, window_size, softcap) -> tuple:
+    """What besides the index tensors a call's plan depends on (the page size and form
+    are the attention's and the index tuple's)."""
+    return (causal, softmax_scale, _window(window_size), 0.0 if softcap is None else softcap)
+
+
+def _run(att, plan, q, k_cache, v_cache, out, s_aux, return_softmax_lse, k_scale, v_scale):
+    """The launch once q, the caches and out passed run()'s checks; FlashAttention's
+    returns (softmax_lse [Hq, total_q])."""
     if not return_softmax_lse:
-        return att.run(q, call.k_cache, call.v_cache, out=out, sinks=s_aux, **call.scales)
+        return att._run_checked(plan, q, k_cache, v_cache, out, False, None, s_aux, k_scale,
+                                v_scale)
     lse = torch.empty(att.num_qo_heads, q.shape[0], dtype=torch.float32, device=q.device)
-    out, _ = att.run(q, call.k_cache, call.v_cache, out=out, lse=lse.t(), sinks=s_aux,
-                     **call.scales)
+    out, _ = att._run_checked(plan, q, k_cache, v_cache, out, True, lse.t(), s_aux, k_scale,
+                              v_scale)
     return out, lse
 
 
@@ -248,7 +288,6 @@ class _Call:
                 raise ValueError("flash_attn_varlen_func: with block_table pass exactly one of "
                                  "seqused_k or cu_seqlens_k (the KV lengths)")
             k_cache, v_cache = k, v
-            page_size = k.shape[1]
             if seqused_k is None:
                 _check_indptr(cu_seqlens_k)
             pages = dict(block_table=block_table)
@@ -262,7 +301,6 @@ class _Call:
                                  "(contiguous K/V) and no seqused_k")
             _check_indptr(cu_seqlens_k)
             k_cache, v_cache = k.unsqueeze(1), v.unsqueeze(1)
-            page_size = 1
             pages = dict(kv_indptr=cu_seqlens_k, kv_indices=_token_pages(k.shape[0]))
             index_args = (cu_seqlens_q, cu_seqlens_k)
 
@@ -281,5 +319,4 @@ class _Call:
                      window_size=window, softcap=softcap, _kv_name="seqused_k", **pages)
 
         return _Call(att, planner, k_cache, v_cache, scales, index_args,
-                     (causal, softmax_scale, page_size, block_table is None, window, softcap),
-                     plan)
+                     _scalars(causal, softmax_scale, window_size, softcap), plan)
