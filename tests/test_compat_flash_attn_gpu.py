@@ -143,6 +143,42 @@ def test_step_reuses_plan_and_never_serves_a_stale_one():
         check(out, None, b, n=sum(b.q_lens))
 
 
+@pytest.mark.parametrize("where", ["cuda", "cpu"])
+def test_inference_mode_metadata_and_alternating_layer_types(where):
+    """An engine's step under torch.inference_mode(): metadata made there has no version
+    counter (device tensors plan every call, CPU ones compare by content), layers of two
+    configurations alternate (the per-layer path starts from the other one's attention),
+    and the next step's in-place writes are never served a stale plan."""
+    with torch.inference_mode():
+        a = layers_of(batch(*MIX, seed=30, num_pages=600))
+        wide = make_batch(*MIX, num_qo_heads=2 * HQ, num_kv_heads=HKV, head_dim=64,
+                          page_size=PS, device="cuda", seed=31, num_pages=600)
+        bt = torch.zeros(7, 256, dtype=torch.int32, device=where)
+        bt[:, :a[0].block_table.shape[1]] = a[0].block_table.to(where)
+        # wide's pages differ from a's: one table per configuration would be an engine's
+        # choice; here each keeps its own, and the lengths are shared
+        bt_w = torch.zeros_like(bt)
+        bt_w[:, :wide.block_table.shape[1]] = wide.block_table.to(where)
+        cu, kvl = a[0].cu_seqlens_q.to(where).clone(), a[0].seqused_k.to(where).clone()
+        assert cu.is_inference()
+
+        def layer(b, table):
+            return flash_attn_varlen_func(b.q, b.k_cache, b.v_cache, 300, cu, 2000,
+                                          seqused_k=kvl, block_table=table, causal=True)
+
+        for b in a:
+            check(layer(b, bt), None, b)
+            w = layer(wide, bt_w)
+            ref = wide.reference(causal=True)
+            assert rel_l2(w, ref) <= 5e-3
+        nxt = batch([1, 1, 2, 0, 1, 1, 1], [701, 65, 2, 905, 17, 2001, 9], seed=32,
+                    num_pages=600)
+        cu.copy_(nxt.cu_seqlens_q)
+        kvl.copy_(nxt.seqused_k)
+        bt[:, :nxt.block_table.shape[1]].copy_(nxt.block_table)
+        check(layer(nxt, bt), None, nxt, n=sum(nxt.q_lens))
+
+
 class Step:
     """A multi-layer step with static buffers, as an engine holds them for one bucket."""
 
