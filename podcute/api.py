@@ -518,10 +518,15 @@ class PODAttention:
             raise RuntimeError("PODAttention.run() called before plan(): plan the batch first")
         # One pass over what a serving loop always passes right; anything else (or an
         # error) takes the detailed checks below, which name the argument at fault.
-        if not self._common_case(plan, q, k_cache, v_cache, out):
-            self._validate_run(plan, q, k_cache, v_cache, out)
+        self._check_tensors(plan, q, k_cache, v_cache, out)
         return self._run_checked(plan, q, k_cache, v_cache, out, return_lse, lse, sinks,
                                  k_scale, v_scale, _ragged_kv)
+
+    def _check_tensors(self, plan: Plan, q, k_cache, v_cache, out) -> None:
+        """run()'s checks of q, the caches and out: the one-pass common case, else the
+        detailed checks that name the argument at fault."""
+        if not self._common_case(plan, q, k_cache, v_cache, out):
+            self._validate_run(plan, q, k_cache, v_cache, out)
 
     def _run_checked(self, plan: Plan, q, k_cache, v_cache, out, return_lse, lse, sinks,
                      k_scale, v_scale, _ragged_kv=None):

@@ -39,17 +39,6 @@ __all__ = ["CallPlanner", "fingerprint", "invalidate_plans"]
 _planners: "weakref.WeakSet[CallPlanner]" = weakref.WeakSet()
 
 
-class _NEVER_SAME:
-    """A fingerprint equal to no other (not even to itself from another call)."""
-
-    __slots__ = ()
-
-    def __eq__(self, other):
-        return False
-
-    __hash__ = object.__hash__
-
-
 def fingerprint(x):
     """What identifies an index argument's contents without reading device memory."""
     if x is None:
@@ -60,7 +49,7 @@ def fingerprint(x):
             if x.device.type == "cpu":  # compared by content, like a NumPy array
                 return ("inference", x.data_ptr(), x.shape, x.stride(), x.dtype,
                         x.numpy().tobytes())
-            return _NEVER_SAME()  # on the device: reading it back would sync; plan again
+            return object()  # equal to no later call's: reading it back would sync; plan again
         return (x.data_ptr(), x._version, x.shape, x.stride(), x.dtype, x.device)
     if isinstance(x, np.ndarray):
         return ("numpy", x.dtype.str, x.shape, x.tobytes())
@@ -125,8 +114,9 @@ class CallPlanner:
         return False
 
     def _remember(self, tensors: tuple, scalars: tuple) -> None:
-        """reuses()'s record; a NumPy array (no version counter) gets none: its calls
-        compare contents in plan()."""
+        """reuses()'s record; none when an argument has no version counter (a NumPy
+        array, an inference tensor) or is a tensor subclass: those calls compare
+        fingerprints in plan()."""
         held = []
         for t in tensors:
             if t is None:

@@ -188,8 +188,7 @@ def flash_attn_varlen_func(q, k, v, max_seqlen_q=None, cu_seqlens_q=None, max_se
                     seqused_q)
     att = call.plan()
     plan = att.current_plan
-    if not att._common_case(plan, q, call.k_cache, call.v_cache, out):
-        att._validate_run(plan, q, call.k_cache, call.v_cache, out)
+    att._check_tensors(plan, q, call.k_cache, call.v_cache, out)
     res = _run(att, plan, q, call.k_cache, call.v_cache, out, s_aux, return_softmax_lse,
                call.scales.get("k_scale"), call.scales.get("v_scale"))
     if block_table is not None:
