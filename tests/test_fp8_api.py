@@ -193,3 +193,22 @@ def test_producer_roles_of_fp8_variants_are_disjoint():
                 assert copy_warps == {0} and not q & (copy_warps | set().union(*groups))
             assert c.num_stages % c.converter_groups == 0
             assert c.num_converters == c.converter_groups * c.CONVERTER_GROUP_THREADS
+
+
+def test_warp_decode_path_and_its_arrivals():
+    # The warp-level fp8 decode path (kernels/decode_fp8.py) serves D 128 over TMA pages;
+    # the gathered page class and D 64 / 96 keep the converters for decode items too.
+    # A freed TMA fp8 stage takes FP8_STAGE_ARRIVALS arrivals: one per warp of the MMA
+    # warpgroup that read it, or a converter group's warps with its first arriving twice.
+    from podcute.kernels.decode_fp8 import ITEM_ROWS, WARP_KV_ROWS
+    for page in (1, 8, 16, 64, 128):
+        for d in FP8_HEAD_DIMS:
+            for kv in ("float8_e4m3fn", "float8_e5m2"):
+                c = KernelConfig.select("bfloat16", d, 4, page_size=page, kv_dtype=kv)
+                assert c.warp_decode == (d == 128 and page >= 16)
+                if c.warp_decode:
+                    assert c.FP8_STAGE_ARRIVALS == 128 // 32 == c.CONVERTER_GROUP_THREADS // 32 + 1
+                    # each of an MMA warpgroup's warps takes WARP_KV_ROWS rows of a tile
+                    assert c.tile_n == 4 * WARP_KV_ROWS and c.fp8_stages % 2 == 0
+                    assert c.tile_m_decode >= ITEM_ROWS
+    assert not KernelConfig.select("bfloat16", 128, 4, page_size=16).warp_decode

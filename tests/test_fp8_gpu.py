@@ -133,6 +133,19 @@ def test_fp8_decode_handover_after_prefill(page):
               page=page)
 
 
+@pytest.mark.parametrize("kv", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("page", [16, 128])
+def test_fp8_warp_decode_rows(kv, page):
+    # Decode items of at most 8 packed rows read the fp8 stages on warp-level MMAs
+    # (kernels/decode_fp8.py), larger ones take the converters and wgmma: GQA groups 1, 4,
+    # 8 and 16 with q_len 1-3 put row counts on both sides of the limit in one batch, next
+    # to a prefill; KV lengths end mid-page and mid-tile, and one is long enough to split.
+    for hq, hkv in ((8, 8), (32, 8), (64, 8), (32, 2)):
+        check_fp8(f"fp8 warp rows {hq}/{hkv} p{page} {kv}", [1, 2, 3, 1, 1, 40],
+                  [17, 300, 1000, 65, 30000, 500], hq=hq, hkv=hkv, page=page, kv=kv,
+                  dtype=torch.float16 if kv == "e5m2" else torch.bfloat16)
+
+
 def test_fp8_scales_per_head_matter():
     # Per-head scales that differ by 100x: a kernel applying one head's scale to another
     # (or none) is far off.

@@ -146,6 +146,19 @@ class KernelConfig:
         without fp8."""
         return 2 if self.fp8 else 0
 
+    # An fp8 TMA stage is freed by 4 arrivals: one per warp of the MMA warpgroup that read
+    # it (the warp-level decode path, `warp_decode`), or a converter group's 3 warps, its
+    # first arriving twice.
+    FP8_STAGE_ARRIVALS = 4
+
+    @property
+    def warp_decode(self) -> bool:
+        """fp8 decode items of at most `decode_fp8.ITEM_ROWS` packed rows run on warp-level
+        MMAs that read the fp8 staging straight into registers (kernels/decode_fp8.py):
+        TMA pages (a 128-byte-swizzled staging) at head_dim 128. Larger decode items and
+        prefill items take the converters and wgmma."""
+        return self.fp8 and self.tma_kv and self.head_dim == 128
+
     @property
     def num_converters(self) -> int:
         """Producer threads that dequantise fp8 tiles: two groups of 3 warps after the TMA

@@ -1,8 +1,11 @@
-"""fp8 KV tiles -> q's 16-bit type, shared memory to shared memory.
+"""fp8 KV values -> 16-bit types: whole tiles shared memory to shared memory (`Dequant`,
+for the wgmma path), or register words straight into mma.sync fragments (`byte_perm`,
+`fp8_pair_to_f16x2`, for the warp-level fp8 decode path, `decode_fp8.py`).
 
-The converting warps of the producer warpgroup read a staged fp8 tile (row-major,
-unswizzled, as TMA or cp.async wrote it) 16 bytes a thread and write the 16-bit stage
-the MMA warpgroups read (swizzled, as wgmma wants it).
+The converting warps of the producer warpgroup read a staged fp8 tile (row-major, as TMA
+or cp.async wrote it; with its 16-byte chunks XOR-swizzled by the row where the staging
+is swizzled) 16 bytes a thread and write the 16-bit stage the MMA warpgroups read
+(swizzled, as wgmma wants it).
 
 e4m3 -> fp16 is one hardware instruction a pair (`cvt.rn.f16x2.e4m3x2`, sm_89+). The
 other formats are moved by integer ops (two `prmt` place the 4 bytes of a word at the top
@@ -24,14 +27,13 @@ from cutlass import Int32, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
-# The bit-move formats: (fp8 type, 16-bit type) -> (right shift that lines the fp8
-# exponent up with the 16-bit one once the byte sits at bits 8-15 of a lane, the mask of
-# the magnitude bits after it, the packed power of two the shift divides by:
-# 2^(bias16 - bias8); None for 1). e4m3 -> fp16 is the hardware cvt instead.
+# The bit-move formats to bf16: fp8 type -> (right shift that lines the fp8 exponent up
+# with bf16's once the byte sits at bits 8-15 of a lane, the mask of the magnitude bits
+# after it, the packed power of two the shift divides by: 2^(bias16 - bias8)). fp16
+# targets need none (`fp8_pair_to_f16x2`).
 _FORMATS = {
     ("float8_e4m3fn", "bfloat16"): (4, 0x07F007F0, 0x7B807B80),  # x 2^120
     ("float8_e5m2", "bfloat16"): (3, 0x0FE00FE0, 0x77807780),  # x 2^112
-    ("float8_e5m2", "float16"): (0, 0x7F007F00, None),  # e5m2 is fp16's high byte
 }
 # Passes whose loads are in flight together (3 x 4 words: what the producer's 72 registers
 # hold beside the addresses without spilling).
@@ -40,34 +42,50 @@ BATCH = 3
 _LOW_PAIR, _HIGH_PAIR = 0x1404, 0x3424
 
 
+def _asm_b32(args, asm: str, loc=None, ip=None) -> Int32:
+    """One 32-bit result of inline PTX over 32-bit register operands $1.. (no side
+    effects: the compiler may schedule it freely)."""
+    return Int32(llvm.inline_asm(
+        Int32.mlir_type, [Int32(a).ir_value(loc=loc, ip=ip) for a in args], asm,
+        "=r" + ",r" * len(args), has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def byte_perm(a: Int32, b: Int32, selector: int, *, loc=None, ip=None) -> Int32:
+    """`prmt.b32`: byte i of the result is byte (selector >> 4i) & 7 of the 8 bytes
+    (a's 0-3, b's 4-7)."""
+    return _asm_b32([a, b], f"prmt.b32 $0, $1, $2, {selector:#x};", loc, ip)
+
+
+@dsl_user_op
+def fp8_pair_to_f16x2(word: Int32, high: bool, kv_dtype: str, *, loc=None,
+                      ip=None) -> Int32:
+    """Bytes 0-1 (or 2-3 with `high`) of `word`, two fp8 values, as an fp16 pair in one
+    register (the lower byte in the lower half: the order of an mma.sync fragment's
+    pair). e4m3: the hardware cvt; e5m2: the bytes are the pair's high bytes. Exact."""
+    if kv_dtype == "float8_e4m3fn":
+        half = "hi" if high else "lo"
+        asm = ("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, $1;\n"
+               f"cvt.rn.f16x2.e4m3x2 $0, {half};\n}}")
+        return _asm_b32([word], asm, loc, ip)
+    return _asm_b32([word], f"prmt.b32 $0, $1, 0, {_HIGH_PAIR if high else _LOW_PAIR:#x};",
+                    loc, ip)
+
+
 @dsl_user_op
 def _pair_to_16bit(word: Int32, selector: int, kv_dtype: str, dtype: str, *, loc=None,
                    ip=None) -> Int32:
     """Two fp8 values of `word` (bytes 0-1 or 2-3) as a packed pair of `dtype`."""
-    if (kv_dtype, dtype) == ("float8_e4m3fn", "float16"):
-        # sm_89+ converts an e4m3 pair to f16x2 in one instruction.
-        half = "lo" if selector == _LOW_PAIR else "hi"
-        asm = ("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, $1;\n"
-               f"cvt.rn.f16x2.e4m3x2 $0, {half};\n}}")
-    else:
-        shift, mask, factor = _FORMATS[(kv_dtype, dtype)]
-        mul = "bf16x2" if dtype == "bfloat16" else "f16x2"
-        body = [f"prmt.b32 h, $1, 0, {selector:#x};"]
-        if shift:
-            body += [
-                "and.b32 s, h, 0x80008000;",
-                f"shr.b32 h, h, {shift};",
-                f"lop3.b32 h, h, {mask:#x}, s, 0xea;",  # (h & mask) | s
-            ]
-        if factor is None:
-            body += ["mov.b32 $0, h;"]
-        else:
-            body += [f"mov.b32 f, {factor:#x};", f"mul.rn.{mul} $0, h, f;"]
-        asm = "{\n.reg .b32 h, s, f;\n" + "\n".join(body) + "\n}"
-    return Int32(llvm.inline_asm(
-        Int32.mlir_type, [Int32(word).ir_value(loc=loc, ip=ip)], asm, "=r,r",
-        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc, ip=ip))
+    if dtype == "float16":
+        return fp8_pair_to_f16x2(word, selector == _HIGH_PAIR, kv_dtype, loc=loc, ip=ip)
+    shift, mask, factor = _FORMATS[(kv_dtype, dtype)]
+    asm = "\n".join([
+        "{", ".reg .b32 h, s, f;", f"prmt.b32 h, $1, 0, {selector:#x};",
+        "and.b32 s, h, 0x80008000;", f"shr.b32 h, h, {shift};",
+        f"lop3.b32 h, h, {mask:#x}, s, 0xea;",  # (h & mask) | s
+        f"mov.b32 f, {factor:#x};", "mul.rn.bf16x2 $0, h, f;", "}"])
+    return _asm_b32([word], asm, loc, ip)
 
 
 @dataclass(frozen=True)
@@ -78,14 +96,18 @@ class Dequant:
     num_threads: cutlass.Constexpr[int]
     kv_dtype: cutlass.Constexpr[str]  # config names: "float8_e4m3fn" / "float8_e5m2"
     dtype: cutlass.Constexpr[str]  # "bfloat16" / "float16"
+    # The staging's 16-byte chunks are XOR-swizzled by the row (TMA's 128-byte swizzle of
+    # 128-byte rows: chunk k of row r sits at k ^ (r % 8)).
+    swizzled: cutlass.Constexpr[bool] = False
 
     @cute.jit
     def tile(self, s8: cute.Tensor, s16: cute.Tensor, zero_from: Int32):
         """s16[r, :] = dequantised s8[r, :] for rows r < zero_from, 0 for the rest (V rows
         past the item's keys: P = 0 times a garbage slot's value must not be NaN).
 
-        s8: (tile_n, D) fp8 stage viewed as int32 words, (tile_n, D / 4), row-major;
-        s16: (tile_n, D) 16-bit stage (swizzled). A thread takes 16 values a pass."""
+        s8: (tile_n, D) fp8 stage viewed as int32 words, (tile_n, D / 4), row-major (its
+        chunks swizzled with `swizzled`); s16: (tile_n, D) 16-bit stage (swizzled). A
+        thread takes 16 values a pass."""
         rows = cute.size(s16, mode=[0])
         chunks = cute.size(s16, mode=[1]) // 16  # 16-value chunks of a row
         # A thread keeps one chunk column and steps down the rows (the index math once).
@@ -98,6 +120,14 @@ class Dequant:
         passes = -(-rows // rows_per_pass)
         k = self.tid % chunks
         r0 = self.tid // chunks
+        # Swizzled staging: row r0 + j * rows_per_pass holds chunk k at k ^ (r0 % 8) ^
+        # (j * rows_per_pass % 8), the second term static when rows_per_pass is a multiple
+        # of 4 ((x + 4) % 8 == x ^ 4): one XOR for all passes (a clamped last row reads a
+        # chunk of its own row, never stored).
+        k_load = k
+        if const_expr(self.swizzled):
+            assert rows_per_pass % 4 == 0, "swizzled staging needs rows_per_pass % 4 == 0"
+            k_load = k ^ (r0 % 8)
         out_type = cutlass.BFloat16 if const_expr(self.dtype == "bfloat16") else cutlass.Float16
         if self.tid < rows_per_pass * chunks:
             for j0 in cutlass.range_constexpr(0, passes, BATCH):
@@ -105,7 +135,10 @@ class Dequant:
                 words = cute.make_rmem_tensor((n, 4), Int32)
                 for j in cutlass.range_constexpr(n):
                     r = cutlass.min(r0 + (j0 + j) * rows_per_pass, rows - 1)
-                    cute.autovec_copy(cute.local_tile(s8, (1, 4), (r, k))[0, None],
+                    k_at = k_load
+                    if const_expr(self.swizzled):
+                        k_at = k_load ^ ((j0 + j) * rows_per_pass % 8)
+                    cute.autovec_copy(cute.local_tile(s8, (1, 4), (r, k_at))[0, None],
                                       words[j, None])
                 for j in cutlass.range_constexpr(n):
                     r = r0 + (j0 + j) * rows_per_pass

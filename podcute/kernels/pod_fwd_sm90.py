@@ -30,7 +30,7 @@ CTA = 1 producer warpgroup + `num_mma_warpgroups` (2) MMA warpgroups, FA3's stru
 """
 
 from functools import partial
-from typing import Optional
+from typing import Optional, Union
 
 import cuda.bindings.driver as cuda
 
@@ -45,12 +45,13 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from podcute import layouts
 from podcute.kernels.barriers import NamedBarrier
 from podcute.kernels.config import WARPGROUP_THREADS, KernelConfig
+from podcute.kernels.decode_fp8 import ITEM_ROWS, WARP_KV_ROWS, Fp8WarpDecode
 from podcute.kernels.dequant import Dequant
 from podcute.kernels.dtypes import DTYPES
 from podcute.kernels.epilogue import (staging_tile, store_fragments, store_lse, store_partial,
                                       store_rows)
 from podcute.kernels.gather import RowGather
-from podcute.kernels.metadata import IParam, Param
+from podcute.kernels.metadata import IParam, Param, WorkCol
 from podcute.kernels.pod_kernel import PodKernelBase
 from podcute.kernels.mma_utils import acc_as_operand_a_layout, rows_cols_view, warpgroup_gemm
 from podcute.kernels.softmax import LOG2_E, OnlineSoftmax, rescale_rows, softcap_scores
@@ -155,10 +156,14 @@ class PodAttentionSm90(PodKernelBase):
         # The scratch is also warpgroup 0's O staging tile; warpgroup 1 has its own.
         scratch_words = max(self.cfg.combine_floats, self.cfg.staging_bytes() // 4)
         staging_elems = max(self.cfg.staging_bytes() // self.cfg.elem_bytes, 8)
-        # fp8 staging: row-major, unswizzled (the converters read 16-byte row pieces;
-        # 8 threads of a warp cover 128 contiguous bytes, so no bank conflicts).
+        # fp8 staging: row-major; 128-byte swizzled for the warp-level decode path (its
+        # loads take 16-byte pieces of 8 rows at once, decode_fp8.py), else unswizzled (the
+        # converters read 16-byte row pieces; 8 threads of a warp cover 128 contiguous
+        # bytes, so no bank conflicts either way).
         fp8_stages = max(self.cfg.fp8_stages, 1)
         s8_layout = cute.make_layout((tile_n, d, fp8_stages), stride=(d, 1, tile_n * d))
+        if const_expr(self.cfg.warp_decode):
+            s8_layout = tile_smem_layout(self.kv_dtype, tile_n, d, fp8_stages)
         s8_elems = cute.cosize(s8_layout)
 
         @cute.struct
@@ -174,8 +179,8 @@ class PodAttentionSm90(PodKernelBase):
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
             if const_expr(self.fp8):
-                sK8: cute.struct.Align[cute.struct.MemRange[self.kv_dtype, s8_elems], 128]
-                sV8: cute.struct.Align[cute.struct.MemRange[self.kv_dtype, s8_elems], 128]
+                sK8: cute.struct.Align[cute.struct.MemRange[self.kv_dtype, s8_elems], 1024]
+                sV8: cute.struct.Align[cute.struct.MemRange[self.kv_dtype, s8_elems], 1024]
             scratch: cute.struct.Align[cute.struct.MemRange[Float32, scratch_words], 128]
             staging1: cute.struct.Align[cute.struct.MemRange[self.dtype, staging_elems], 128]
             pages: cute.struct.MemRange[Int32, 2 * self.tile_n]  # gather: page of each row
@@ -187,8 +192,8 @@ class PodAttentionSm90(PodKernelBase):
             # kv_head, page): every box lies inside one page of one head and lands as a
             # contiguous piece of a column block of the tile (docs/design.md).
             box = (self.cfg.kv_box, self.box_cols)
-            box_layout = tile_smem_layout(self.dtype, self.cfg.kv_box, self.box_cols)
-            if const_expr(self.fp8):
+            box_layout = tile_smem_layout(self.kv_dtype, self.cfg.kv_box, self.box_cols)
+            if const_expr(self.fp8 and not self.cfg.warp_decode):
                 box_layout = cute.make_layout(box, stride=(d, 1))
             op = cpasync.CopyBulkTensorTileG2SOp()
             tma_atom_k, mK = cpasync.make_tiled_tma_atom(
@@ -254,7 +259,7 @@ class PodAttentionSm90(PodKernelBase):
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
-        s8_layout: cute.Layout,
+        s8_layout: Union[cute.Layout, cute.ComposedLayout],  # (swizzled: warp_decode)
         scratch_layout: cute.Layout,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -296,10 +301,16 @@ class PodAttentionSm90(PodKernelBase):
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        # fp8 staging, as the copies write it (the converters and the warp-level decode
+        # path read its words: `fp8_words`).
         sK8 = sV8 = None
         if const_expr(self.fp8):
-            sK8 = storage.sK8.get_tensor(s8_layout)
-            sV8 = storage.sV8.get_tensor(s8_layout)
+            if const_expr(self.cfg.warp_decode):
+                sK8 = storage.sK8.get_tensor(s8_layout.outer, swizzle=s8_layout.inner)
+                sV8 = storage.sV8.get_tensor(s8_layout.outer, swizzle=s8_layout.inner)
+            else:
+                sK8 = storage.sK8.get_tensor(s8_layout)
+                sV8 = storage.sV8.get_tensor(s8_layout)
 
         # This CTA's item list is read after setmaxnreg: a value live across the register
         # reallocation goes through local memory (a spill).
@@ -309,7 +320,7 @@ class PodAttentionSm90(PodKernelBase):
             self.produce(
                 mQ, mK, mV, mKRagged, mVRagged, mWork, mQStart, mKvLen, mPageStart, mPageList,
                 page_shift, tma_atom_k, tma_atom_v, tma_atom_kr, tma_atom_vr, sQ, sK, sV, sK8, sV8,
-                storage.pages.get_tensor(cute.make_layout((self.tile_n, 2))),
+                *self.fp8_words(storage), storage.pages.get_tensor(cute.make_layout((self.tile_n, 2))),
                 pipeline_q, pipeline_k, pipeline_v, pipeline_k8, pipeline_v8, mCtaPtr[cta],
                 mCtaPtr[cta + 1],
             )
@@ -331,10 +342,24 @@ class PodAttentionSm90(PodKernelBase):
                 staging_tile(storage.staging1.data_ptr(), self.dtype, WG_ROWS, self.head_dim,
                              staging_row),
                 mParams, mIParams, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV,
-                pipeline_q, pipeline_k, pipeline_v, pipeline_combine, mCtaPtr,
+                *self.fp8_words(storage),
+                pipeline_q, pipeline_k, pipeline_v, pipeline_k8, pipeline_v8, pipeline_combine,
+                mCtaPtr,
             )
             cute.arch.barrier_arrive(barrier_id=NamedBarrier.CTA_END,
                                      number_of_threads=self.cfg.num_threads)
+
+    def fp8_words(self, storage) -> tuple:
+        """The fp8 staging stages as int32 words, (tile_n, D / 4, stages) each of K and V
+        (the readers apply the swizzle themselves); (None, None) without fp8. Made by each
+        role after its setmaxnreg: a value live across it would go through local memory."""
+        if const_expr(not self.fp8):
+            return None, None
+        row_words = self.head_dim // 4
+        words = cute.make_layout((self.tile_n, row_words, self.cfg.fp8_stages),
+                                 stride=(row_words, 1, self.tile_n * row_words))
+        return tuple(cute.make_tensor(cute.recast_ptr(s.data_ptr(), dtype=Int32), words)
+                     for s in (storage.sK8, storage.sV8))
 
     def _make_kv_pipeline(self, barriers, producers, consumers):
         if const_expr(self.fp8):
@@ -364,14 +389,17 @@ class PodAttentionSm90(PodKernelBase):
 
     def _make_fp8_pipeline(self, barriers):
         """The fp8 staging stages: filled by TMA (one elected thread arms each with the
-        tile's bytes) or by the cp.async loaders; released by the converting warps."""
+        tile's bytes) or by the cp.async loaders; released by the converting warps, or by
+        the MMA warps on the warp-level decode path."""
         converters = self.cfg.CONVERTER_GROUP_THREADS  # (each stage: one group's)
         if const_expr(self.tma_kv):
+            # One arrival per warp: a converter group's (its first warp twice) or, on the
+            # warp-level decode path, the reading MMA warpgroup's (KernelConfig).
             return pipeline.PipelineTmaAsync.create(
                 barrier_storage=barriers, num_stages=self.cfg.fp8_stages,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
                 consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                         converters // 32),
+                                                         self.cfg.FP8_STAGE_ARRIVALS),
                 tx_count=self.tile_n * self.head_dim * self.kv_dtype.width // 8,
                 defer_sync=True,
             )
@@ -416,6 +444,8 @@ class PodAttentionSm90(PodKernelBase):
         sV: cute.Tensor,
         sK8: cute.Tensor,
         sV8: cute.Tensor,
+        sK8w: cute.Tensor,
+        sV8w: cute.Tensor,
         sPages: cute.Tensor,
         pipeline_q: pipeline.PipelineAsync,
         pipeline_k: pipeline.PipelineAsync,
@@ -449,7 +479,7 @@ class PodAttentionSm90(PodKernelBase):
             sK_in, sV_in, pipe_k_in, pipe_v_in = sK8, sV8, pipeline_k8, pipeline_v8
             group_threads = self.cfg.CONVERTER_GROUP_THREADS
             dequant = Dequant((tidx - self.cfg.first_converter) % group_threads, group_threads,
-                              self.cfg.kv_dtype, self.cfg.dtype)
+                              self.cfg.kv_dtype, self.cfg.dtype, self.cfg.warp_decode)
             # This warp's converter group (converter_groups or more: an idle warp).
             group = (warp - self.cfg.first_converter // 32) // (group_threads // 32)
         kv_count = Int32(0)  # K/V tiles produced so far
@@ -462,7 +492,7 @@ class PodAttentionSm90(PodKernelBase):
                 if warp >= first_q_warp and warp < first_q_warp + q_warps:
                     load_q()
             n_min, n_max, _ = item.tile_bounds(item.row_start, self.group, self.causal, tile_n)
-            convert = partial(self.convert_kv, dequant, sK8, sV8, sK, sV, pipeline_k8,
+            convert = partial(self.convert_kv, dequant, sK8w, sV8w, sK, sV, pipeline_k8,
                               pipeline_v8, pipeline_k, pipeline_v, kv_count, item, n_min, n_max,
                               group)
             if const_expr(self.tma_kv):
@@ -512,17 +542,27 @@ class PodAttentionSm90(PodKernelBase):
         return self.cfg.fp8_stages if self.fp8 else self.num_stages
 
     @cute.jit
-    def convert_kv(self, dequant: Dequant, sK8: cute.Tensor, sV8: cute.Tensor, sK: cute.Tensor,
+    def convert_kv(self, dequant: Dequant, sK8w: cute.Tensor, sV8w: cute.Tensor, sK: cute.Tensor,
                    sV: cute.Tensor, pipeline_k8, pipeline_v8, pipeline_k, pipeline_v,
                    kv_count: Int32, item: WorkItem, n_min: Int32, n_max: Int32, group: Int32):
         """Dequantise the item's staged fp8 K and V tiles of this converter group (those
         whose pipeline count is the group mod converter_groups; tile n_min is the
         kv_count-th of every pipeline) into their 16-bit stages. V rows past the item's
-        keys become zeros, as zero_v_tail does for 16-bit TMA tiles."""
-        sK8w = cute.recast_tensor(sK8, Int32)
-        sV8w = cute.recast_tensor(sV8, Int32)
+        keys become zeros, as zero_v_tail does for 16-bit TMA tiles.
+
+        An item on the warp-level decode path (`warp_decodes`) reads the fp8 stages
+        itself: the group still waits for each of its tiles and commits the 16-bit stage
+        (empty) as the MMA warps' go-ahead, and the MMA warps free the fp8 stage. So every
+        pipeline keeps one count for all items, and no group ever waits on a stage a
+        phase ahead of its fill (each group sees every fill of its stages in order)."""
         groups = self.cfg.converter_groups
         first = n_min + (group - kv_count % groups + groups) % groups
+        convert = Int32(1)
+        if const_expr(self.cfg.warp_decode):
+            convert = 1 - self.warp_decodes(item)
+        # (a freed TMA stage takes 4 arrivals: the group's first warp arrives twice)
+        first_warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) == (
+            self.cfg.first_converter // 32 + group * (self.cfg.CONVERTER_GROUP_THREADS // 32))
         for n_block in cutlass.range(first, n_max, groups, unroll=1):
             count = kv_count + n_block - n_min
             s8 = stage(count, self.cfg.fp8_stages)
@@ -532,11 +572,17 @@ class PodAttentionSm90(PodKernelBase):
                     (sV8w, sV, pipeline_v8, pipeline_v, item.kv_end - n_block * self.tile_n)):
                 pipe8.consumer_wait(s8)
                 pipe.producer_acquire(s16)
-                dequant.tile(sX8w[None, None, s8.index], sX[None, None, s16.index], zero_from)
-                # Generic-proxy stores, read by wgmma through the async proxy.
-                cute.arch.fence_view_async_shared()
+                if convert != 0:
+                    dequant.tile(sX8w[None, None, s8.index], sX[None, None, s16.index],
+                                 zero_from)
+                    # Generic-proxy stores, read by wgmma through the async proxy.
+                    cute.arch.fence_view_async_shared()
                 pipe.producer_commit(s16)
-                pipe8.consumer_release(s8)
+                if convert != 0:
+                    pipe8.consumer_release(s8)
+                    if const_expr(self.tma_kv):
+                        if first_warp:
+                            pipe8.consumer_release(s8)
 
     @cute.jit
     def produce_q(self, mQ, sQ, q_gather, pipeline_q, item: WorkItem, q_count: Int32):
@@ -579,28 +625,38 @@ class PodAttentionSm90(PodKernelBase):
         tKsK, tKgK = self._tma_tiles(tma_atom_k, mK, sK, item.kv_head)
         tVsV, tVgV = self._tma_tiles(tma_atom_v, mV, sV, item.kv_head)
         pieces = cute.size(tKsK, mode=[2])  # column blocks of a box row
-        lane_box = cute.arch.lane_idx() % boxes
-        locate = partial(self._locate_box, mPageList, page_divisor, item, lane_box, ragged)
-        # fp8: each tile's page lookup is issued one tile ahead, before the waits of the
-        # tile before it (a 64-token fp8 tile leaves the global load's latency less room).
-        # (16-bit variants keep the in-place lookup their sanitizer runs vouch for.)
-        next_page, next_box = Int32(0), Int32(0)  # (fp8: the lookup one tile ahead)
+        lane = cute.arch.lane_idx()
+        # fp8: the warp's lanes look up the boxes of `ahead` tiles at once (lane l: box
+        # l % boxes of tile l // boxes of the group), a group ahead: a 64-token fp8 tile
+        # streams in a quarter of the time of a 16-bit one, and one dependent page-table
+        # load per tile kept the decode stream of 16-token pages at ~0.78 of HBM's rate.
+        # (16-bit variants keep the in-place lookup of one tile their sanitizer runs vouch
+        # for.)
+        ahead = 32 // boxes if self.fp8 else 1
+        locate = partial(self._locate_box, mPageList, page_divisor, item, lane % boxes, ragged)
+        lane_tile = lane // boxes if self.fp8 else 0
+        next_page, next_box = Int32(0), Int32(0)  # (fp8: the next group's lookups)
         if const_expr(self.fp8):
             if n_min < n_max:
-                next_page, next_box = locate(n_min)
+                next_page, next_box = locate(cutlass.min(n_min + lane_tile, n_max - 1))
+        tile_page, tile_box = Int32(0), Int32(0)
         for n_block in cutlass.range(n_min, n_max, unroll=1):
             if const_expr(self.fp8):
-                tile_page, tile_box = next_page, next_box
-                next_page, next_box = locate(cutlass.min(n_block + 1, n_max - 1))
+                in_group = (n_block - n_min) % ahead
+                if in_group == 0:
+                    tile_page, tile_box = next_page, next_box
+                    next_page, next_box = locate(
+                        cutlass.min(n_block + ahead + lane_tile, n_max - 1))
             else:
+                in_group = Int32(0)
                 tile_page, tile_box = locate(n_block)
             kv_state = stage(kv_count + n_block - n_min, self.copy_stages, producer=True)
             pipeline_k.producer_acquire(kv_state)
-            self._copy_boxes(tma_atom_k, tKgK, tKsK, tile_page, tile_box, kv_state,
-                             pipeline_k.producer_get_barrier(kv_state), boxes, pieces)
+            self._copy_boxes(tma_atom_k, tKgK, tKsK, tile_page, tile_box, in_group * boxes,
+                             kv_state, pipeline_k.producer_get_barrier(kv_state), boxes, pieces)
             pipeline_v.producer_acquire(kv_state)
-            self._copy_boxes(tma_atom_v, tVgV, tVsV, tile_page, tile_box, kv_state,
-                             pipeline_v.producer_get_barrier(kv_state), boxes, pieces)
+            self._copy_boxes(tma_atom_v, tVgV, tVsV, tile_page, tile_box, in_group * boxes,
+                             kv_state, pipeline_v.producer_get_barrier(kv_state), boxes, pieces)
 
     @cute.jit
     def _locate_box(self, mPageList, page_divisor, item: WorkItem, lane_box: Int32,
@@ -615,19 +671,22 @@ class PodAttentionSm90(PodKernelBase):
         return page, slot // self.cfg.kv_box
 
     @cute.jit
-    def _copy_boxes(self, tma_atom, tXgX, tXsX, page: Int32, box_in_page: Int32, kv_state,
-                    barrier, boxes: cutlass.Constexpr[int], pieces: cutlass.Constexpr[int]):
-        """The boxes of one K or V tile: box j from lane j's (page, box within page). A
-        rolled loop: unrolled, the compiler hoists every broadcast ahead of the copies and
-        the producer's 24 registers spill."""
-        if const_expr(boxes == 1):
+    def _copy_boxes(self, tma_atom, tXgX, tXsX, page: Int32, box_in_page: Int32,
+                    first_lane: Int32, kv_state, barrier, boxes: cutlass.Constexpr[int],
+                    pieces: cutlass.Constexpr[int]):
+        """The boxes of one K or V tile: box j from lane first_lane + j's (page, box within
+        page). A rolled loop: unrolled, the compiler hoists every broadcast ahead of the
+        copies and the producer's 24 registers spill."""
+        if const_expr(boxes == 1 and not self.fp8):
             for h in cutlass.range_constexpr(pieces):
                 cute.copy(tma_atom, tXgX[None, box_in_page, h, page],
                           tXsX[None, 0, h, kv_state.index], tma_bar_ptr=barrier)
         else:
-            for j in cutlass.range(boxes, unroll=1):
-                page_j = cute.arch.shuffle_sync(page, j)
-                box_j = cute.arch.shuffle_sync(box_in_page, j)
+            # fp8 (one copy per box: a whole 128-byte row, so the broadcasts are half the
+            # work): unrolled, their latencies overlap; the 64-register producer has room.
+            for j in cutlass.range(boxes, unroll=boxes if self.fp8 else 1):
+                page_j = cute.arch.shuffle_sync(page, first_lane + j)
+                box_j = cute.arch.shuffle_sync(box_in_page, first_lane + j)
                 for h in cutlass.range_constexpr(pieces):
                     cute.copy(tma_atom, tXgX[None, box_j, h, page_j],
                               tXsX[None, j, h, kv_state.index], tma_bar_ptr=barrier)
@@ -736,9 +795,13 @@ class PodAttentionSm90(PodKernelBase):
         sQ: cute.Tensor,
         sK: cute.Tensor,
         sV: cute.Tensor,
+        sK8w: Optional[cute.Tensor],
+        sV8w: Optional[cute.Tensor],
         pipeline_q: pipeline.PipelineAsync,
         pipeline_k: pipeline.PipelineAsync,
         pipeline_v: pipeline.PipelineAsync,
+        pipeline_k8: Optional[pipeline.PipelineAsync],
+        pipeline_v8: Optional[pipeline.PipelineAsync],
         pipeline_combine: pipeline.PipelineAsync,
         mCtaPtr: cute.Tensor,
     ):
@@ -749,15 +812,6 @@ class PodAttentionSm90(PodKernelBase):
         tidx = mma_tidx % WARPGROUP_THREADS
         thr_mma_qk = tiled_mma_qk.get_slice(tidx)
         thr_mma_pv = tiled_mma_pv.get_slice(tidx)
-        # This warpgroup's 64 rows of Q (a decode item's rows sit in both halves).
-        sQ_wg = cute.local_tile(sQ, (WG_ROWS, d), (wg, 0))
-        # V^T view (D, tile_n) of the row-major V tile: the MN-major B operand of P @ V.
-        sVt = cute.composition(
-            sV, cute.make_ordered_layout((d, tile_n, self.num_stages), order=(1, 0, 2))
-        )
-        tSrQ = thr_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sQ_wg))
-        tSrK = thr_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sK))
-        tOrVt = thr_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sVt))
         acc_shape_S = thr_mma_qk.partition_shape_C((WG_ROWS, tile_n))
         acc_O = cute.make_rmem_tensor(thr_mma_pv.partition_shape_C((WG_ROWS, d)), Float32)
         tScS = thr_mma_qk.partition_C(cute.make_identity_tensor((WG_ROWS, tile_n)))
@@ -794,9 +848,7 @@ class PodAttentionSm90(PodKernelBase):
             decode = Int32(item.is_decode)
             # Rows of this warpgroup: its own 64 (prefill) or all of the item's (decode).
             row_offset = wg * WG_ROWS * (1 - decode)
-            n_min, n_max, mask_from = item.tile_bounds(
-                item.row_start + row_offset, self.group, self.causal, tile_n,
-                self.window_right(mIParams))
+            n_min, n_max, mask_from = self.item_tiles(item, wg, mIParams)
             # Window: tiles below mask_until hold keys left of some row's window.
             mask_until = Int32(0)
             if const_expr(self.cfg.window):
@@ -804,62 +856,32 @@ class PodAttentionSm90(PodKernelBase):
                     item.kv_len, item.q_len,
                     cutlass.min(item.row_end, item.row_start + row_offset + WG_ROWS),
                     self.group, mIParams[IParam.WINDOW_LEFT], tile_n)
-            softmax.reset()
-            # An fp8 cache's k_scale multiplies every score of the item's KV head: it folds
-            # into the softmax's scale (soft-capped scores: into the tanh's, score_tile).
-            item_softmax = softmax
-            if const_expr(self.fp8 and not self.cfg.softcap):
-                item_softmax = OnlineSoftmax(
-                    softmax.row_max, softmax.row_sum,
-                    self.k_scaled(softmax.scale_log2, mKScale, item.kv_head))
-            acc_O.fill(0.0)
-            q_state = stage(i - mCtaPtr[cute.arch.block_idx()[0]], 1)  # the item's Q use
-            pipeline_q.consumer_wait(q_state)
-            # cp.async wrote sQ through the generic proxy; wgmma reads via the async one.
-            cute.arch.fence_view_async_shared()
-            # The mask re-reads the item (L1 hits) on the few tiles it touches rather than
-            # hold its bounds in registers through the mainloop.
-            mask_tile = partial(self.mask_tile, tScS=tScS, mWork=mWork, mQStart=mQStart,
-                                mKvLen=mKvLen, mPageStart=mPageStart, mIParams=mIParams, i=i,
-                                wg=wg)
-            score_tile = partial(self.score_tile, mask_tile=mask_tile, mask_from=mask_from,
-                                 mask_until=mask_until, mParams=mParams, mKScale=mKScale,
-                                 kv_head=item.kv_head)
-            if decode != 0:
-                self.mainloop_decode(
-                    tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_shape_S, acc_O, rP, tOrP,
-                    item_softmax, row_scale, score_tile, sV, pipeline_q, q_state, pipeline_k,
-                    pipeline_v, kv_count, n_min, n_max, item.kv_end, mma_tidx, wg)
+            # The item's Q (both paths read it first).
+            pipeline_q.consumer_wait(stage(i - mCtaPtr[cute.arch.block_idx()[0]], 1))
+            item_wgmma = partial(
+                self.item_wgmma, i, kv_count, n_min, n_max, mask_from, mask_until, softmax,
+                row_scale, acc_O, rP, tOrP, sQ, sK, acc_shape_S, tScS, tOcO,
+                thr_mma_qk, thr_mma_pv, tiled_mma_qk, tiled_mma_pv, sV, sScratch, sStage, pipeline_q,
+                pipeline_k, pipeline_v, pipeline_combine, mWork, mQStart, mKvLen, mPageStart,
+                mParams, mIParams, mKScale, mVScale, mSinks, mO, mLSE, mPartialO, mPartialLSE,
+                mCtaPtr, mma_tidx, tidx, wg)
+            if const_expr(self.cfg.warp_decode):
+                if self.warp_decodes(item) != 0:
+                    self.decode_item_warp(
+                        i, kv_count, n_min, n_max, mask_from, mask_until, softmax, row_scale,
+                        acc_O, sQ, sK8w, sV8w, sScratch, pipeline_q, pipeline_k, pipeline_v,
+                        pipeline_k8, pipeline_v8, pipeline_combine, mWork, mQStart, mKvLen,
+                        mPageStart, mParams, mIParams, mKScale, mVScale, mSinks, mO, mLSE,
+                        mPartialO, mPartialLSE, mCtaPtr, tidx, wg)
+                else:
+                    item_wgmma()
             else:
-                self.mainloop_prefill(
-                    tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_shape_S, acc_O, rP, tOrP,
-                    item_softmax, row_scale, score_tile, sV, pipeline_q, q_state, pipeline_k,
-                    pipeline_v, kv_count, n_min, n_max, item.kv_end, mma_tidx, wg)
-            kv_count += n_max - n_min
-            # Reload the item for the epilogue (an L1 hit) rather than keep every field
-            # live through the mainloop: registers are what the MMA warpgroups lack.
+                item_wgmma()
+            # The item again (L1 hits), and its tile count recomputed: held through the
+            # item's work, n_min and n_max would cost the MMA warps two registers.
             item = WorkItem.load(mWork, mQStart, mKvLen, mPageStart, i)
-            decode = Int32(item.is_decode)
-            row_offset = wg * WG_ROWS * (1 - decode)
-            if decode != 0:
-                # Fold warpgroup 1's softmax state and O into warpgroup 0's.
-                self.combine_decode(item_softmax, acc_O, sScratch, pipeline_combine,
-                                    item.decode_index, tidx, wg)
-            # sm_scale is re-read (an L1 hit) rather than held through the mainloop.
-            logit_scale = mParams[self.logit_param]
-            if const_expr(not self.cfg.softcap):  # (soft-capped: the tanh took k_scale)
-                logit_scale = self.k_scaled(logit_scale, mKScale, item.kv_head)
-            inv_sum, lse = softmax.finalize(logit_scale,
-                                            self.row_sinks(mSinks, tOcO, item, row_offset))
-            if const_expr(self.fp8):
-                # v_scale multiplies every value: O's normaliser takes it (not the LSE).
-                v_scale = self.kv_scale(mVScale, item.kv_head)
-                for r in cutlass.range_constexpr(cute.size(inv_sum)):
-                    inv_sum[r] = inv_sum[r] * v_scale
-            rescale_rows(acc_O, inv_sum)
-            if decode * wg == 0:  # prefill: each warpgroup its rows; decode: warpgroup 0
-                self.epilogue(acc_O, lse, thr_mma_pv, tOcO, sStage, item, row_offset, mO,
-                              mLSE, mPartialO, mPartialLSE, tidx)
+            n_min, n_max, _ = self.item_tiles(item, wg, mIParams)
+            kv_count += n_max - n_min
             if item.split_slot >= 0:
                 finish_split(
                     mO, mLSE, mPartialO, mPartialLSE, mMerge, mSlotMerge, mMergeSem, mQStart,
@@ -867,6 +889,98 @@ class PodAttentionSm90(PodKernelBase):
                     barrier_id=NamedBarrier.MMA, mSinks=mSinks,
                 )
             i += 1
+
+    @cute.jit
+    def item_tiles(self, item: WorkItem, wg: Int32, mIParams: cute.Tensor):
+        """(n_min, n_max, mask_from) of this warpgroup's rows of `item`: its own 64 of a
+        prefill item, all of a decode item's."""
+        row_offset = wg * WG_ROWS * (1 - Int32(item.is_decode))
+        return item.tile_bounds(item.row_start + row_offset, self.group, self.causal,
+                                self.tile_n, self.window_right(mIParams))
+
+    @cute.jit
+    def item_wgmma(self, i: Int32, kv_count: Int32, n_min: Int32, n_max: Int32,
+                   mask_from: Int32, mask_until: Int32, softmax: OnlineSoftmax,
+                   row_scale: cute.Tensor, acc_O: cute.Tensor, rP: cute.Tensor,
+                   tOrP: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor, acc_shape_S,
+                   tScS: cute.Tensor, tOcO: cute.Tensor, thr_mma_qk: cute.ThrMma,
+                   thr_mma_pv: cute.ThrMma, tiled_mma_qk, tiled_mma_pv,
+                   sV: cute.Tensor, sScratch: cute.Tensor, sStage: Optional[cute.Tensor],
+                   pipeline_q, pipeline_k, pipeline_v, pipeline_combine, mWork, mQStart,
+                   mKvLen, mPageStart, mParams, mIParams, mKScale, mVScale, mSinks, mO, mLSE,
+                   mPartialO, mPartialLSE, mCtaPtr, mma_tidx: Int32, tidx: Int32, wg: Int32):
+        """Item i on wgmma (every prefill item; decode items of 16-bit caches, and of fp8
+        caches off the warp-level path): this warpgroup's mainloop, the decode combine, O
+        normalised and written (the split merge follows in consume)."""
+        d, tile_n = self.head_dim, self.tile_n
+        # The GEMMs' shared-memory operands (descriptors made here, per item, rather than
+        # held through the item loop, which the warp-level decode path shares).
+        # This warpgroup's 64 rows of Q (a decode item's rows sit in both halves).
+        sQ_wg = cute.local_tile(sQ, (WG_ROWS, d), (wg, 0))
+        # V^T view (D, tile_n) of the row-major V tile: the MN-major B operand of P @ V.
+        sVt = cute.composition(
+            sV, cute.make_ordered_layout((d, tile_n, self.num_stages), order=(1, 0, 2))
+        )
+        tSrQ = thr_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sQ_wg))
+        tSrK = thr_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sK))
+        tOrVt = thr_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sVt))
+        item = WorkItem.load(mWork, mQStart, mKvLen, mPageStart, i)
+        decode = Int32(item.is_decode)
+        row_offset = wg * WG_ROWS * (1 - decode)
+        softmax.reset()
+        # An fp8 cache's k_scale multiplies every score of the item's KV head: it folds
+        # into the softmax's scale (soft-capped scores: into the tanh's, score_tile).
+        item_softmax = softmax
+        if const_expr(self.fp8 and not self.cfg.softcap):
+            item_softmax = OnlineSoftmax(
+                softmax.row_max, softmax.row_sum,
+                self.k_scaled(softmax.scale_log2, mKScale, item.kv_head))
+        acc_O.fill(0.0)
+        q_state = stage(i - mCtaPtr[cute.arch.block_idx()[0]], 1)  # (consume waited)
+        # cp.async wrote sQ through the generic proxy; wgmma reads via the async one.
+        cute.arch.fence_view_async_shared()
+        # The mask re-reads the item (L1 hits) on the few tiles it touches rather than
+        # hold its bounds in registers through the mainloop.
+        mask_tile = partial(self.mask_tile, tScS=tScS, mWork=mWork, mQStart=mQStart,
+                            mKvLen=mKvLen, mPageStart=mPageStart, mIParams=mIParams, i=i,
+                            wg=wg)
+        score_tile = partial(self.score_tile, mask_tile=mask_tile, mask_from=mask_from,
+                             mask_until=mask_until, mParams=mParams, mKScale=mKScale,
+                             kv_head=item.kv_head)
+        if decode != 0:
+            self.mainloop_decode(
+                tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_shape_S, acc_O, rP, tOrP,
+                item_softmax, row_scale, score_tile, sV, pipeline_q, q_state, pipeline_k,
+                pipeline_v, kv_count, n_min, n_max, item.kv_end, mma_tidx, wg)
+        else:
+            self.mainloop_prefill(
+                tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_shape_S, acc_O, rP, tOrP,
+                item_softmax, row_scale, score_tile, sV, pipeline_q, q_state, pipeline_k,
+                pipeline_v, kv_count, n_min, n_max, item.kv_end, mma_tidx, wg)
+        # Reload the item for the epilogue (an L1 hit) rather than keep every field
+        # live through the mainloop: registers are what the MMA warpgroups lack.
+        item = WorkItem.load(mWork, mQStart, mKvLen, mPageStart, i)
+        decode = Int32(item.is_decode)
+        row_offset = wg * WG_ROWS * (1 - decode)
+        if decode != 0:
+            # Fold warpgroup 1's softmax state and O into warpgroup 0's.
+            self.combine_decode(item_softmax, acc_O, sScratch, pipeline_combine,
+                                item.decode_index, tidx, wg)
+        # sm_scale is re-read (an L1 hit) rather than held through the mainloop.
+        logit_scale = mParams[self.logit_param]
+        if const_expr(not self.cfg.softcap):  # (soft-capped: the tanh took k_scale)
+            logit_scale = self.k_scaled(logit_scale, mKScale, item.kv_head)
+        inv_sum, lse = softmax.finalize(logit_scale,
+                                        self.row_sinks(mSinks, tOcO, item, row_offset))
+        if const_expr(self.fp8):
+            # v_scale multiplies every value: O's normaliser takes it (not the LSE).
+            v_scale = self.kv_scale(mVScale, item.kv_head)
+            for r in cutlass.range_constexpr(cute.size(inv_sum)):
+                inv_sum[r] = inv_sum[r] * v_scale
+        rescale_rows(acc_O, inv_sum)
+        if decode * wg == 0:  # prefill: each warpgroup its rows; decode: warpgroup 0
+            self.epilogue(acc_O, lse, thr_mma_pv, tOcO, sStage, item, row_offset, mO,
+                          mLSE, mPartialO, mPartialLSE, tidx)
 
     @cute.jit
     def mainloop_prefill(self, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_shape_S,
@@ -971,16 +1085,21 @@ class PodAttentionSm90(PodKernelBase):
     @cute.jit
     def score_tile(self, acc_S: cute.Tensor, n_block: Int32, mask_tile, mask_from: Int32,
                    mask_until: Int32, mParams: cute.Tensor, mKScale: Optional[cute.Tensor],
-                   kv_head: Int32):
+                   kv_head: Int32, col_offset: Int32 = 0,
+                   tanh_scale: Optional[Float32] = None):
         """Scores of KV tile `n_block` before the softmax: soft-capped (a variant's flag),
         then masked if the tile holds a key some row must not see (tiles >= mask_from on
-        the right, < mask_until left of a window)."""
+        the right, < mask_until left of a window). `acc_S` holds the tile's keys from
+        `col_offset` on (a warp's share on the warp-level decode path, which also gives
+        its own `tanh_scale`: its raw scores are scaled)."""
         if const_expr(self.cfg.softcap):
             # (an L1 hit, not a register held through the mainloop; an fp8 cache's
             # k_scale goes inside the tanh with sm_scale)
-            softcap_scores(acc_S, self.k_scaled(mParams[Param.SOFTCAP_SCALE], mKScale, kv_head))
+            if const_expr(tanh_scale is None):
+                tanh_scale = self.k_scaled(mParams[Param.SOFTCAP_SCALE], mKScale, kv_head)
+            softcap_scores(acc_S, tanh_scale)
         if self.needs_mask(n_block, mask_from, mask_until):
-            mask_tile(acc_S, col_start=n_block * self.tile_n)
+            mask_tile(acc_S, col_start=n_block * self.tile_n + col_offset)
 
     @cute.jit
     def mask_tile(self, acc_S: cute.Tensor, tScS: cute.Tensor, mWork: cute.Tensor,
@@ -1070,43 +1189,210 @@ class PodAttentionSm90(PodKernelBase):
         the last prefill tile and no KV tile in the decode item, is already here)."""
         rounds = self.cfg.combine_rounds
         acc_O_mn = rows_cols_view(acc_O)
-        n_r = cute.size(acc_O_mn, mode=[0])
         cols = cute.size(acc_O_mn, mode=[1]) // rounds
-        stats = cols * n_r  # scratch rows of the row statistics, after the O chunk
         # (allocated here: a value first made inside the runtime branch cannot leave it)
-        scale_self = cute.make_rmem_tensor(n_r, Float32)
-        scale_other = cute.make_rmem_tensor(n_r, Float32)
+        scale_self = cute.make_rmem_tensor_like(softmax.row_max, Float32)
+        scale_other = cute.make_rmem_tensor_like(softmax.row_max, Float32)
         for j in cutlass.range_constexpr(rounds):
             use = num_decode * rounds + j
             if wg == 1:
                 state = stage(use + 1, 1, producer=True)
                 pipeline_combine.producer_acquire(state)
-                for r in cutlass.range_constexpr(n_r):
-                    for c in cutlass.range_constexpr(cols):
-                        sScratch[r * cols + c, tidx] = acc_O_mn[r, j * cols + c]
-                if const_expr(j == 0):
-                    for r in cutlass.range_constexpr(n_r):
-                        sScratch[stats + r, tidx] = softmax.row_max[r]
-                        sScratch[stats + n_r + r, tidx] = softmax.row_sum[r]
+                self.stash_state(sScratch, tidx, softmax, acc_O_mn, j, cols)
                 pipeline_combine.producer_commit(state)
             else:
                 # Done with the previous use and every O staging since (or, before the
                 # first use, every O staging of the list's earlier items).
                 pipeline_combine.consumer_release(stage(use, 1))
                 pipeline_combine.consumer_wait(stage(use, 1))
-                if const_expr(j == 0):
-                    other_max = cute.make_rmem_tensor_like(softmax.row_max, Float32)
-                    other_sum = cute.make_rmem_tensor_like(softmax.row_sum, Float32)
-                    for r in cutlass.range_constexpr(n_r):
-                        other_max[r] = sScratch[stats + r, tidx]
-                        other_sum[r] = sScratch[stats + n_r + r, tidx]
-                    s_self, s_other = softmax.merge(other_max, other_sum)
-                    scale_self.store(s_self.load())
-                    scale_other.store(s_other.load())
-                for r in cutlass.range_constexpr(n_r):
-                    for c in cutlass.range_constexpr(cols):
-                        acc_O_mn[r, j * cols + c] = (acc_O_mn[r, j * cols + c] * scale_self[r]
-                                                     + sScratch[r * cols + c, tidx] * scale_other[r])
+                self.fold_state(sScratch, tidx, softmax, acc_O_mn, j, cols, scale_self,
+                                scale_other)
+
+    @cute.jit
+    def stash_state(self, sScratch: cute.Tensor, col: Int32, softmax: OnlineSoftmax,
+                    acc_O_mn: cute.Tensor, j: cutlass.Constexpr[int],
+                    cols: cutlass.Constexpr[int]):
+        """Scratch column `col` <- this thread's O values of column chunk j (`cols` wide)
+        and, with j == 0, its row maxima and partial row sums after them. One fp32 column
+        per thread: the thread that folds it reads the same positions, without bank
+        conflicts."""
+        n_r = cute.size(acc_O_mn, mode=[0])
+        stats = cols * n_r
+        for r in cutlass.range_constexpr(n_r):
+            for c in cutlass.range_constexpr(cols):
+                sScratch[r * cols + c, col] = acc_O_mn[r, j * cols + c]
+        if const_expr(j == 0):
+            for r in cutlass.range_constexpr(n_r):
+                sScratch[stats + r, col] = softmax.row_max[r]
+                sScratch[stats + n_r + r, col] = softmax.row_sum[r]
+
+    @cute.jit
+    def fold_state(self, sScratch: cute.Tensor, col: Int32, softmax: OnlineSoftmax,
+                   acc_O_mn: cute.Tensor, j: cutlass.Constexpr[int],
+                   cols: cutlass.Constexpr[int], scale_self: cute.Tensor,
+                   scale_other: cute.Tensor):
+        """Fold the state `stash_state` left in scratch column `col` (same rows, other
+        keys) into this thread's: with j == 0 the row statistics, which set the factors
+        `scale_self` / `scale_other` every chunk of the state uses."""
+        n_r = cute.size(acc_O_mn, mode=[0])
+        stats = cols * n_r
+        if const_expr(j == 0):
+            other_max = cute.make_rmem_tensor_like(softmax.row_max, Float32)
+            other_sum = cute.make_rmem_tensor_like(softmax.row_sum, Float32)
+            for r in cutlass.range_constexpr(n_r):
+                other_max[r] = sScratch[stats + r, col]
+                other_sum[r] = sScratch[stats + n_r + r, col]
+            s_self, s_other = softmax.merge(other_max, other_sum)
+            scale_self.store(s_self.load())
+            scale_other.store(s_other.load())
+        for r in cutlass.range_constexpr(n_r):
+            for c in cutlass.range_constexpr(cols):
+                acc_O_mn[r, j * cols + c] = (acc_O_mn[r, j * cols + c] * scale_self[r]
+                                             + sScratch[r * cols + c, col] * scale_other[r])
+
+    # ---- fp8 decode items on warp-level MMAs (kernels/decode_fp8.py) --------------------
+
+    @cute.jit
+    def fold_warps(self, softmax: OnlineSoftmax, acc_O: cute.Tensor, sScratch: cute.Tensor,
+                   tidx: Int32):
+        """Warpgroup 0 after the combine of a warp-level decode item: warps 1-3 hand their
+        states to warp 0 through the scratch (which warpgroup 0 holds from the combine's
+        wait until its next release), each thread in its own column, in the combine's
+        `combine_rounds` column chunks; warp 0 folds them in warp order (the factors of
+        each warp's fold, set with the first chunk, serve the later ones)."""
+        warps = WARPGROUP_THREADS // 32
+        rounds = self.cfg.combine_rounds
+        acc_O_mn = rows_cols_view(acc_O)
+        cols = cute.size(acc_O_mn, mode=[1]) // rounds
+        n_r = cute.size(acc_O_mn, mode=[0])
+        factors = cute.make_rmem_tensor((n_r, 2, warps), Float32)  # (row, self | other, warp)
+        for j in cutlass.range_constexpr(rounds):
+            if const_expr(j > 0):  # warp 0 has read the previous chunk
+                cute.arch.barrier(barrier_id=NamedBarrier.WARPGROUP,
+                                  number_of_threads=WARPGROUP_THREADS)
+            if tidx >= 32:
+                self.stash_state(sScratch, tidx, softmax, acc_O_mn, j, cols)
+            cute.arch.barrier(barrier_id=NamedBarrier.WARPGROUP,
+                              number_of_threads=WARPGROUP_THREADS)
+            if tidx < 32:
+                for w in cutlass.range_constexpr(1, warps):
+                    self.fold_state(sScratch, tidx + 32 * w, softmax, acc_O_mn, j, cols,
+                                    factors[None, 0, w], factors[None, 1, w])
+
+    @cute.jit
+    def warp_decodes(self, item: WorkItem) -> Int32:
+        """1 if `item` takes the warp-level fp8 decode path (a `warp_decode` variant's
+        decode item of at most ITEM_ROWS packed rows), else 0."""
+        fits = Int32(item.row_end - item.row_start <= ITEM_ROWS)
+        return Int32(item.is_decode) * fits
+
+    @cute.jit
+    def decode_item_warp(self, i: Int32, kv_count: Int32, n_min: Int32, n_max: Int32,
+                         mask_from: Int32, mask_until: Int32, softmax: OnlineSoftmax,
+                         row_scale: cute.Tensor, acc_O: cute.Tensor, sQ: cute.Tensor,
+                         sK8w: cute.Tensor, sV8w: cute.Tensor, sScratch: cute.Tensor,
+                         pipeline_q, pipeline_k, pipeline_v, pipeline_k8, pipeline_v8,
+                         pipeline_combine, mWork, mQStart, mKvLen, mPageStart, mParams,
+                         mIParams, mKScale, mVScale, mSinks, mO, mLSE, mPartialO, mPartialLSE,
+                         mCtaPtr, tidx: Int32, wg: Int32):
+        """Decode item i on warp-level MMAs: each warpgroup takes every other KV tile (from
+        n_min + wg, as on wgmma), each of its warps 16 of the tile's rows with every one
+        of the item's rows, reading the fp8 stages itself (the converters' empty 16-bit
+        commit is its go-ahead; kernels/decode_fp8.py). Then the warps' softmax states
+        and O fold together, warpgroup 1's into warpgroup 0's (`combine_decode`, the same
+        hand-over as on wgmma: both accumulators give a thread 2 rows of 32 values, and
+        row r is register 4 k + 2 r + v either way), then warps 1-3's into warp 0's, which
+        writes the rows."""
+        tile_n = self.tile_n
+        lane = tidx % 32
+        dec = Fp8WarpDecode(self.cfg.kv_dtype, self.cfg.dtype)
+        tiled_mma = dec.tiled_mma()
+        thr_mma = tiled_mma.get_slice(lane)
+        m = 2 * ITEM_ROWS  # (the MMAs' M: the item's rows, then zero rows)
+        acc_shape_S = thr_mma.partition_shape_C((m, WARP_KV_ROWS))
+        tScS = thr_mma.partition_C(cute.make_identity_tensor((m, WARP_KV_ROWS)))
+        tOcO = thr_mma.partition_C(cute.make_identity_tensor((m, self.head_dim)))
+        acc_O_w = cute.make_tensor(acc_O.iterator, dec.acc_o_layout())  # (the registers of O)
+        rP = cute.make_rmem_tensor(acc_shape_S, cutlass.Float16)
+        tOrP = cute.make_tensor(rP.iterator, acc_as_operand_a_layout(rP.layout))
+
+        item = WorkItem.load(mWork, mQStart, mKvLen, mPageStart, i)
+        q_state = stage(i - mCtaPtr[cute.arch.block_idx()[0]], 1)  # (consume waited)
+        tSrQ, q_up = dec.load_q(sQ, lane)
+        pipeline_q.consumer_release(q_state)  # Q is in registers: the next item's may load
+        softmax.reset()
+        acc_O.fill(0.0)
+        # Raw scores are Q K8^T / q_up: k_scale and q_up fold into the softmax's scale, or
+        # with a soft cap into the tanh's (score_tile). One register through the loop
+        # (q_up is recovered from it after: a power of two, so exactly).
+        item_softmax = softmax
+        tanh_scale = None
+        if const_expr(self.cfg.softcap):
+            tanh_scale = self.k_scaled(mParams[Param.SOFTCAP_SCALE], mKScale,
+                                       item.kv_head) * q_up
+        else:
+            item_softmax = OnlineSoftmax(
+                softmax.row_max, softmax.row_sum,
+                self.k_scaled(softmax.scale_log2, mKScale, item.kv_head) * q_up)
+        mask_tile = partial(self.mask_tile, tScS=tScS, mWork=mWork, mQStart=mQStart,
+                            mKvLen=mKvLen, mPageStart=mPageStart, mIParams=mIParams, i=i,
+                            wg=wg)
+        for n_block in cutlass.range(n_min + wg, n_max, 2, unroll=1):
+            # (re-derived each tile rather than held: the MMA warps run at their limit)
+            row0 = cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4 * WARP_KV_ROWS
+            count = kv_count + n_block - n_min
+            kv_state = stage(count, self.num_stages)
+            s8 = stage(count, self.cfg.fp8_stages)
+            pipeline_k.consumer_wait(kv_state)  # the converters' go-ahead (no data)
+            pipeline_k8.consumer_wait(s8)  # (complete already: orders the TMA's writes)
+            acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
+            dec.scores(tiled_mma, acc_S, tSrQ, sK8w[None, None, s8.index].iterator.toint(),
+                       row0, lane)
+            pipeline_k8.consumer_release(s8)
+            self.release(pipeline_k, kv_state, 2)
+            self.score_tile(acc_S, n_block, mask_tile, mask_from, mask_until, mParams,
+                            mKScale, item.kv_head, row0, tanh_scale)
+            item_softmax.update(acc_S, row_scale)
+            rP.store(acc_S.load().to(cutlass.Float16))
+            rescale_rows(acc_O_w, row_scale)
+            pipeline_v.consumer_wait(kv_state)
+            pipeline_v8.consumer_wait(s8)
+            dec.accumulate(tiled_mma, acc_O_w, tOrP, sV8w[None, None, s8.index].iterator.toint(),
+                           row0, mWork[i, WorkCol.KV_END] - n_block * tile_n, lane)
+            pipeline_v8.consumer_release(s8)
+            self.release(pipeline_v, kv_state, 2)
+
+        item = WorkItem.load(mWork, mQStart, mKvLen, mPageStart, i)
+        self.combine_decode(item_softmax, acc_O, sScratch, pipeline_combine, item.decode_index,
+                            tidx, wg)
+        if wg == 0:
+            self.fold_warps(item_softmax, acc_O, sScratch, tidx)
+            if tidx < 32:
+                logit_scale = mParams[self.logit_param]
+                if const_expr(not self.cfg.softcap):  # (soft-capped: the tanh took both)
+                    unscaled = self.k_scaled(softmax.scale_log2, mKScale, item.kv_head)
+                    q_up = item_softmax.scale_log2 / unscaled
+                    logit_scale = self.k_scaled(logit_scale, mKScale, item.kv_head) * q_up
+                inv_sum, lse = softmax.finalize(logit_scale,
+                                                self.row_sinks(mSinks, tOcO, item, Int32(0)))
+                v_scale = self.kv_scale(mVScale, item.kv_head)
+                for r in cutlass.range_constexpr(cute.size(inv_sum)):
+                    inv_sum[r] = inv_sum[r] * v_scale
+                rescale_rows(acc_O, inv_sum)
+                n_rows = item.row_end - item.row_start
+                if item.split_slot >= 0:
+                    dec.store_o(acc_O_w, layouts.partial_rows(mPartialO, item.split_slot),
+                                Int32(0), n_rows, lane)
+                    store_lse(lse, tOcO, layouts.partial_lse(mPartialLSE, item.split_slot),
+                              Int32(0), n_rows, lane)
+                else:
+                    dec.store_o(acc_O_w, layouts.packed_rows(mO, item.q_start, item.q_len,
+                                                             item.kv_head, self.group),
+                                item.row_start, n_rows, lane)
+                    if const_expr(mLSE is not None):
+                        store_lse(lse, tOcO, layouts.packed_lse(mLSE, item.q_start, item.q_len,
+                                                                item.kv_head, self.group),
+                                  item.row_start, n_rows, lane)
 
     @cute.jit
     def epilogue(
