@@ -60,6 +60,9 @@ from podcute.kernels.split_merge import finish_split
 from podcute.kernels.visibility import left_mask_until
 from podcute.kernels.work import WorkItem
 
+# What a producer warp does for each item (bits of `produce_items`' roles).
+ROLE_Q, ROLE_COPY, ROLE_CONVERT = 1, 2, 4
+
 WG_ROWS = 64  # rows of one MMA warpgroup: one m64 wgmma
 
 
@@ -463,11 +466,13 @@ class PodAttentionSm90(PodKernelBase):
         tidx = cute.arch.thread_idx()[0]
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         page_divisor = layouts.PageShift(page_shift)
-        # Q rows resolve their own addresses (4 threads a row: few rows per thread); K/V
-        # rows read their pages from shared memory (8 threads a row: whole 128 B lines).
+        # Q rows resolve their own addresses (4 threads a row: few rows per thread; a lone
+        # Q warp loops over its rows, 8 threads a row: fewer addresses live, no spill);
+        # K/V rows read their pages from shared memory (8 threads a row: whole 128 B lines).
         first_q_warp, q_warps = self.cfg.q_loaders
         q_gather = RowGather.create(self.dtype, self.tile_m, d, 32 * q_warps,
-                                    tidx - 32 * first_q_warp, threads_per_row=4,
+                                    tidx - 32 * first_q_warp,
+                                    threads_per_row=8 if q_warps == 1 else 4,
                                     rolled=q_warps == 1)
         kv_gather = None
         if const_expr(not self.tma_kv):
@@ -482,46 +487,79 @@ class PodAttentionSm90(PodKernelBase):
                               self.cfg.kv_dtype, self.cfg.dtype, self.cfg.warp_decode)
             # This warp's converter group (converter_groups or more: an idle warp).
             group = (warp - self.cfg.first_converter // 32) // (group_threads // 32)
+        items = partial(
+            self.produce_items, mQ, mK, mV, mKRagged, mVRagged, mWork, mQStart, mKvLen,
+            mPageStart, mPageList, page_divisor, tma_atom_k, tma_atom_v, tma_atom_kr,
+            tma_atom_vr, sQ, sK, sV, sK_in, sV_in, sK8w, sV8w, sPages, pipeline_q, pipeline_k,
+            pipeline_v, pipe_k_in, pipe_v_in, pipeline_k8, pipeline_v8, q_gather, kv_gather,
+            dequant, group, item_begin, item_end)
+        if const_expr(self.fp8 and self.tma_kv):
+            # Disjoint warp roles, one item loop each: what one role's loop keeps live (the
+            # converters' hoisted swizzled addresses) is then not live in the others' (64
+            # registers: the Q loader spilled 8 bytes with one loop for all).
+            if warp == first_q_warp:
+                items(roles=ROLE_Q)
+            elif warp == 0:
+                items(roles=ROLE_COPY)
+            else:
+                items(roles=ROLE_CONVERT)
+        else:
+            items(roles=ROLE_Q | ROLE_COPY | ROLE_CONVERT)
+
+    @cute.jit
+    def produce_items(self, mQ, mK, mV, mKRagged, mVRagged, mWork, mQStart, mKvLen,
+                      mPageStart, mPageList, page_divisor, tma_atom_k, tma_atom_v, tma_atom_kr,
+                      tma_atom_vr, sQ, sK, sV, sK_in, sV_in, sK8w, sV8w, sPages, pipeline_q,
+                      pipeline_k, pipeline_v, pipe_k_in, pipe_v_in, pipeline_k8, pipeline_v8,
+                      q_gather, kv_gather, dequant, group, item_begin: Int32, item_end: Int32,
+                      roles: cutlass.Constexpr[int]):
+        """The producer warps' work for each of the CTA's items in order, of the `roles`
+        (ROLE_* bits) this warp plays: its Q rows, its K/V copies, its conversions. Every
+        role counts the K/V tiles itself (each pipeline's count is the same in every role)."""
+        tile_n = self.tile_n
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        first_q_warp, q_warps = self.cfg.q_loaders
         kv_count = Int32(0)  # K/V tiles produced so far
         for i in cutlass.range(item_begin, item_end, unroll=1):
             item = WorkItem.load(mWork, mQStart, mKvLen, mPageStart, i)
             load_q = partial(self.produce_q, mQ, sQ, q_gather, pipeline_q, item, i - item_begin)
-            if const_expr(q_warps == self.cfg.num_producer_threads // 32):
-                load_q()  # every producer warp
-            else:
-                if warp >= first_q_warp and warp < first_q_warp + q_warps:
-                    load_q()
+            if const_expr(roles & ROLE_Q):
+                if const_expr(q_warps == self.cfg.num_producer_threads // 32):
+                    load_q()  # every producer warp
+                else:
+                    if warp >= first_q_warp and warp < first_q_warp + q_warps:
+                        load_q()
             n_min, n_max, _ = item.tile_bounds(item.row_start, self.group, self.causal, tile_n)
             convert = partial(self.convert_kv, dequant, sK8w, sV8w, sK, sV, pipeline_k8,
                               pipeline_v8, pipeline_k, pipeline_v, kv_count, item, n_min, n_max,
                               group)
             if const_expr(self.tma_kv):
-                if warp == 0:  # one warp issues the boxes
-                    tma = partial(self.produce_kv_tma, mPageList=mPageList,
-                                  page_divisor=page_divisor, sK=sK_in, sV=sV_in,
-                                  pipeline_k=pipe_k_in, pipeline_v=pipe_v_in,
-                                  kv_count=kv_count, item=item, n_min=n_min, n_max=n_max)
-                    # The ragged source's item takes its own copy of the loop: a runtime
-                    # choice inside it would cost the 24-register producer spills.
-                    if const_expr(self.cfg.ragged_kv):
-                        if item.req == layouts.RAGGED_REQUEST:
-                            tma(mK=mKRagged, mV=mVRagged, tma_atom_k=tma_atom_kr,
-                                tma_atom_v=tma_atom_vr, ragged=True)
+                if const_expr(roles & ROLE_COPY):
+                    if warp == 0:  # one warp issues the boxes
+                        tma = partial(self.produce_kv_tma, mPageList=mPageList,
+                                      page_divisor=page_divisor, sK=sK_in, sV=sV_in,
+                                      pipeline_k=pipe_k_in, pipeline_v=pipe_v_in,
+                                      kv_count=kv_count, item=item, n_min=n_min, n_max=n_max)
+                        # The ragged source's item takes its own copy of the loop: a runtime
+                        # choice inside it would cost the 24-register producer spills.
+                        if const_expr(self.cfg.ragged_kv):
+                            if item.req == layouts.RAGGED_REQUEST:
+                                tma(mK=mKRagged, mV=mVRagged, tma_atom_k=tma_atom_kr,
+                                    tma_atom_v=tma_atom_vr, ragged=True)
+                            else:
+                                tma(mK=mK, mV=mV, tma_atom_k=tma_atom_k, tma_atom_v=tma_atom_v)
                         else:
                             tma(mK=mK, mV=mV, tma_atom_k=tma_atom_k, tma_atom_v=tma_atom_v)
-                    else:
-                        tma(mK=mK, mV=mV, tma_atom_k=tma_atom_k, tma_atom_v=tma_atom_v)
-                else:
-                    if const_expr(self.fp8):
-                        if group < self.cfg.converter_groups:
-                            convert()
+                if const_expr(self.fp8 and roles & ROLE_CONVERT):
+                    if warp != 0 and group < self.cfg.converter_groups:
+                        convert()
             else:
                 gather = partial(self.produce_kv_gather, mPageList=mPageList,
                                  page_divisor=page_divisor, kv_gather=kv_gather, sK=sK_in,
                                  sV=sV_in, sPages=sPages, pipeline_k=pipe_k_in,
                                  pipeline_v=pipe_v_in, kv_count=kv_count, item=item,
                                  n_min=n_min, n_max=n_max)
-                if const_expr(self.fp8):
+                if const_expr(self.fp8):  # (one loop for all roles: roles is every bit)
                     if warp < self.cfg.num_loaders // 32:  # loaders, then converters
                         gather(mK=mK, mV=mV)
                     else:
