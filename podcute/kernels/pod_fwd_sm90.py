@@ -951,6 +951,12 @@ class PodAttentionSm90(PodKernelBase):
         caches off the warp-level path): this warpgroup's mainloop, the decode combine, O
         normalised and written (the split merge follows in consume)."""
         d, tile_n = self.head_dim, self.tile_n
+        # Marked warp-uniform (they are): with the warp-level decode path's branch in the
+        # item loop, ptxas no longer proved it and kept the mainloop's stage indices and
+        # wgmma descriptors in vector registers (F1 e4m3: +10% instructions, +6% time).
+        kv_count, n_min, n_max, mask_from, mask_until = (
+            cute.arch.make_warp_uniform(v)
+            for v in (kv_count, n_min, n_max, mask_from, mask_until))
         # The GEMMs' shared-memory operands (descriptors made here, per item, rather than
         # held through the item loop, which the warp-level decode path shares).
         # This warpgroup's 64 rows of Q (a decode item's rows sit in both halves).
