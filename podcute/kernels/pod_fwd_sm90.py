@@ -1104,7 +1104,10 @@ class PodAttentionSm90(PodKernelBase):
         after its P V lets the producer refill the stage a tile earlier."""
         tile_n = self.tile_n
         for n_block in cutlass.range(n_min + wg, n_max, 2, unroll=1):
-            kv_state = stage(kv_count + n_block - n_min, self.num_stages)
+            # (marked warp-uniform: ptxas did not carry it through this loop, and kept the
+            # stage index and the wgmma descriptors in vector registers)
+            kv_state = stage(cute.arch.make_warp_uniform(kv_count + n_block - n_min),
+                             self.num_stages)
             pipeline_k.consumer_wait(kv_state)
             self.fence_gathered_kv()
             acc_S = self.qk_gemm(tiled_mma_qk, tSrQ, tSrK, acc_shape_S, kv_state)
@@ -1150,7 +1153,9 @@ class PodAttentionSm90(PodKernelBase):
                   mQStart: cute.Tensor, mKvLen: cute.Tensor, mPageStart: cute.Tensor,
                   mIParams: cute.Tensor, i: Int32, wg: Int32, col_start: Int32):
         """Mask S of the KV tile at `col_start` for this warpgroup's rows of item `i`."""
-        item = WorkItem.load(mWork, mQStart, mKvLen, mPageStart, i)
+        # (i marked warp-uniform: the loads' addresses then sit in uniform registers, which
+        # the warp-level decode path's masked tiles need: at 192 registers it spilled 8 bytes)
+        item = WorkItem.load(mWork, mQStart, mKvLen, mPageStart, cute.arch.make_warp_uniform(i))
         row_offset = wg * WG_ROWS * (1 - Int32(item.is_decode))
         self.mask_scores(acc_S, tScS, item, row_offset, col_start, mIParams)
 
