@@ -160,6 +160,22 @@ class KernelConfig:
         return self.fp8 and self.tma_kv and self.head_dim == 128
 
     @property
+    def mma_dtype(self) -> str:
+        """The MMAs' operand type: q's, or fp16 beside an fp8 cache (fp8 -> fp16 is one
+        instruction a pair, -> bf16 five; bf16 queries are scaled into fp16's range)."""
+        return "float16" if self.fp8 else self.dtype
+
+    @property
+    def q_in_registers(self) -> bool:
+        """S = Q K^T takes Q from registers (an RS wgmma; each MMA warpgroup loads its rows
+        once per item and frees the Q stage at once): fp8 variants. Their 64-token tiles
+        make an SS m64n64k16 wgmma read 4 KB of shared memory per 32 tensor-core cycles,
+        the whole 128 B/clk an SM has, and the TMA writes and the converters' reads and
+        writes (48 KB a tile) come on top; Q from registers takes 32 of the 160 KB a
+        64-token tile moves."""
+        return self.fp8
+
+    @property
     def num_converters(self) -> int:
         """Producer threads that dequantise fp8 tiles: two groups of 3 warps after the TMA
         warp (warps 1-6; warp 7 loads Q) or after the 2-warp cp.async gather (warps 2-7);
@@ -459,9 +475,10 @@ class KernelConfig:
         unstaged O stores, measured no faster). Two producer warpgroups, for two converter
         groups of 3 warps (`converter_groups`): the three spare warps of one warpgroup
         converted ~7 (bf16) / 9 (fp16) values a clock per SM, where the HBM stream brings
-        ~18 (docs/performance.md). setmaxnreg 64 x 2 / 192 x 2 (512 threads launch with
-        128): the converters keep 3 chunks' loads in flight, and 64-token S and P fragments
-        leave the MMA warpgroups room at 192 (no spills)."""
+        ~18 (docs/performance.md). setmaxnreg 56 x 2 / 200 x 2 (512 threads launch with
+        128): the converters keep 3 chunks' loads in flight in 56; the MMA warpgroups hold
+        Q's fragments (`q_in_registers`, 32 registers) beside O, S and P, and spilled at
+        192 with them (0 spills at 200)."""
         check_fp8_kv(head_dim, kv_dtype)
         tile_n = 64
         kv_box = tile_n if page_size % tile_n == 0 else 16 if page_size % 16 == 0 else 0
@@ -469,7 +486,7 @@ class KernelConfig:
             arch=arch, dtype=dtype, head_dim=head_dim, group=group, causal=bool(causal),
             has_lse=bool(has_lse), kv_box=kv_box, tile_m_prefill=128, tile_m_decode=64,
             tile_n=tile_n, num_stages=2, num_mma_warpgroups=2, ctas_per_sm=1,
-            producer_regs=64, mma_regs=192, window=bool(window), softcap=bool(softcap),
+            producer_regs=56, mma_regs=200, window=bool(window), softcap=bool(softcap),
             has_sinks=bool(has_sinks), kv_dtype=kv_dtype, fp8_stages=2,
         )
         while (cfg.fp8_stages + 2 <= 8 and dataclasses.replace(

@@ -29,11 +29,9 @@ Fragment orders (lane = 4 c + q; mma.sync's A/B/C fragments as in the PTX ISA):
   * Bank conflicts: the staging is 128-byte swizzled (chunk k of row r at k ^ r % 8); a
     quarter warp's 8 loads then hit 8 distinct chunks, for K (rows c, chunks 2q + h) and
     for V (rows 2q (+ 1), chunk c) alike.
-  * bf16 queries: the GEMMs run in fp16 all the same (e4m3 -> fp16 is one instruction,
-    -> bf16 five). Q is scaled by 2^-e, e chosen from the item's largest |q| so that it
-    lands in [2^14, 2^15): bf16 -> fp16 is then exact for every value within 2^-28 of the
-    largest (smaller ones shift S by < 2^-28 of its scale), products and sums are fp32,
-    and 2^e folds into the score scale. P is fp16 (finer than bf16 on [0, 1]).
+  * bf16 queries: the GEMMs run in fp16 all the same, Q scaled into fp16's range by a
+    power of two from the item's largest |q| (`dequant.fp16_range_scale`: exact), 2^e
+    folded into the score scale. P is fp16 (finer than bf16 on [0, 1]).
 """
 
 from dataclasses import dataclass
@@ -41,11 +39,9 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float16, Float32, Int32, Int64, const_expr
-from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import warp
-from cutlass.cutlass_dsl import dsl_user_op
 
-from podcute.kernels.dequant import byte_perm, fp8_pair_to_f16x2
+from podcute.kernels.dequant import byte_perm, fp16_range_scale, fp8_pair_to_f16x2
 from podcute.kernels.dtypes import DTYPES
 
 ITEM_ROWS = 8  # packed rows of an item on this path: rows 0-7 of the m16 MMAs
@@ -54,27 +50,6 @@ HEAD_DIM = 128  # the fragment orders above are for D 128 (8 k16 steps, 16 n8 ti
 # byte_perm selectors pairing byte b of word a with byte b of word b: bytes 0, 1 (the
 # pairs of n8 tiles 4i, 4i + 1) and bytes 2, 3 (tiles 4i + 2, 4i + 3).
 _PAIR_BYTES_01, _PAIR_BYTES_23 = 0x5140, 0x7362
-# Q's scale: the largest |q| of an item goes to [2^14, 2^15); e clamped so 2^+-e stays a
-# normal float (an all-zero Q gets 2^100, harmless).
-_Q_TOP_EXP, _Q_EXP_LIMIT = 14, 100
-
-
-@dsl_user_op
-def _f32_bits(x: Float32, *, loc=None, ip=None) -> Int32:
-    return Int32(llvm.inline_asm(
-        Int32.mlir_type, [Float32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=r,f",
-        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc, ip=ip))
-
-
-@dsl_user_op
-def _pow2(e: Int32, *, loc=None, ip=None) -> Float32:
-    """2^e as a float (e a normal exponent): the bits (e + 127) << 23."""
-    bits = (Int32(e) + 127) << 23
-    return Float32(llvm.inline_asm(
-        Float32.mlir_type, [bits.ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=f,r",
-        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc, ip=ip))
 
 
 @cute.jit
@@ -123,11 +98,7 @@ class Fp8WarpDecode:
                 x = chunk.load().to(Float32)
                 for v in cutlass.range_constexpr(8):
                     amax = cutlass.max(amax, cutlass.max(x[v], -x[v]))
-            amax = cute.arch.warp_reduction_max(amax, threads_in_group=32)
-            e = ((_f32_bits(amax) >> 23) & 0xFF) - 127 - _Q_TOP_EXP
-            e = cutlass.max(-_Q_EXP_LIMIT, cutlass.min(e, _Q_EXP_LIMIT))
-            up = _pow2(e)
-            down = _pow2(-e)
+            up, down = fp16_range_scale(cute.arch.warp_reduction_max(amax, threads_in_group=32))
         for k in cutlass.range_constexpr(cols // 8):
             chunk = self._q_chunk(sQ, c, q, k)
             dst = cute.local_tile(rf[None, 0], (8,), (k,))

@@ -1,20 +1,20 @@
-"""fp8 KV values -> 16-bit types: whole tiles shared memory to shared memory (`Dequant`,
-for the wgmma path), or register words straight into mma.sync fragments (`byte_perm`,
-`fp8_pair_to_f16x2`, for the warp-level fp8 decode path, `decode_fp8.py`).
+"""fp8 KV values -> fp16, the MMAs' operand type beside an fp8 cache whatever the queries'
+type: whole tiles shared memory to shared memory (`Dequant`, for the wgmma path), or
+register words straight into mma.sync fragments (`byte_perm`, `fp8_pair_to_f16x2`, for
+the warp-level fp8 decode path, `decode_fp8.py`); and bf16 query fragments scaled into
+fp16's range (`q_fragment_to_fp16`, `fp16_range_scale`).
 
 The converting warps of the producer warpgroup read a staged fp8 tile (row-major, as TMA
 or cp.async wrote it; with its 16-byte chunks XOR-swizzled by the row where the staging
 is swizzled) 16 bytes a thread and write the 16-bit stage the MMA warpgroups read
 (swizzled, as wgmma wants it).
 
-e4m3 -> fp16 is one hardware instruction a pair (`cvt.rn.f16x2.e4m3x2`, sm_89+). The
-other formats are moved by integer ops (two `prmt` place the 4 bytes of a word at the top
-of four 16-bit lanes, a shift lines the exponent up, a `lop3` restores the sign) and one
-packed multiply by a power of two undoes the bias difference (none for e5m2 -> fp16,
-which is fp16's high byte). Every fp8 value, subnormals included, is exactly
-representable in both 16-bit types, and the multiply by a power of two is exact, so the
-conversion is exact. fp8 codes that mean NaN or infinity may come out finite through the
-bit moves (e4m3 0x7f reads 480 in bf16): valid caches hold none (the quantiser
+e4m3 -> fp16 is one hardware instruction a pair (`cvt.rn.f16x2.e4m3x2`, sm_89+); e5m2 is
+fp16's high byte (one `prmt` a pair). Every fp8 value, subnormals included, is exactly
+representable in fp16, so the conversion is exact. (To bf16 it would take five
+instructions a pair: the bytes moved to the top of 16-bit lanes, a shift, the sign
+restored, a multiply undoing the bias difference. That is why the MMAs run in fp16.)
+e5m2 codes that mean NaN or infinity stay so; valid caches hold none (the quantiser
 saturates), and slots past a request's keys are masked (K) or zeroed (V) whatever they
 hold.
 """
@@ -23,18 +23,10 @@ from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, const_expr
+from cutlass import Float32, Int32, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
-# The bit-move formats to bf16: fp8 type -> (right shift that lines the fp8 exponent up
-# with bf16's once the byte sits at bits 8-15 of a lane, the mask of the magnitude bits
-# after it, the packed power of two the shift divides by: 2^(bias16 - bias8)). fp16
-# targets need none (`fp8_pair_to_f16x2`).
-_FORMATS = {
-    ("float8_e4m3fn", "bfloat16"): (4, 0x07F007F0, 0x7B807B80),  # x 2^120
-    ("float8_e5m2", "bfloat16"): (3, 0x0FE00FE0, 0x77807780),  # x 2^112
-}
 # Passes whose loads are in flight together (3 x 4 words: what the producer's 72 registers
 # hold beside the addresses without spilling).
 BATCH = 3
@@ -49,6 +41,62 @@ def _asm_b32(args, asm: str, loc=None, ip=None) -> Int32:
         Int32.mlir_type, [Int32(a).ir_value(loc=loc, ip=ip) for a in args], asm,
         "=r" + ",r" * len(args), has_side_effects=False, is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+# Queries beside an fp8 cache meet K and V as fp16 (e4m3 -> fp16 is one instruction a
+# pair, -> bf16 five), so bf16 queries are scaled into fp16's range by a power of two:
+# the largest |q| of the rows scaled together goes to [2^14, 2^15), and e is clamped so
+# 2^+-e stays a normal float (an all-zero Q gets 2^100, harmless). bf16 -> fp16 is then
+# exact for every value within 2^-28 of the largest (smaller ones move S by less than
+# 2^-28 of its scale); the products and sums are fp32, and 2^e folds into the score
+# scale exactly.
+_Q_TOP_EXP, _Q_EXP_LIMIT = 14, 100
+
+
+@dsl_user_op
+def _f32_bits(x: Float32, *, loc=None, ip=None) -> Int32:
+    return Int32(llvm.inline_asm(
+        Int32.mlir_type, [Float32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=r,f",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc, ip=ip))
+
+
+@dsl_user_op
+def _pow2(e: Int32, *, loc=None, ip=None) -> Float32:
+    """2^e as a float (e a normal exponent): the bits (e + 127) << 23."""
+    bits = (Int32(e) + 127) << 23
+    return Float32(llvm.inline_asm(
+        Float32.mlir_type, [bits.ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=f,r",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc, ip=ip))
+
+
+@cute.jit
+def fp16_range_scale(amax: Float32):
+    """(2^e, 2^-e) for rows of bf16 queries whose largest |q| is `amax` (the same for
+    every thread that scales them): q x 2^-e is an exact fp16, and scores of the scaled
+    rows are 2^-e times the true ones."""
+    e = ((_f32_bits(amax) >> 23) & 0xFF) - 127 - _Q_TOP_EXP
+    e = cutlass.max(-_Q_EXP_LIMIT, cutlass.min(e, _Q_EXP_LIMIT))
+    return _pow2(e), _pow2(-e)
+
+
+@cute.jit
+def q_fragment_to_fp16(rQ: cute.Tensor, tSrQ: cute.Tensor) -> Float32:
+    """Fill the fp16 fragment tSrQ from the 16-bit query fragment rQ (same layout): as is
+    for fp16, scaled by 2^-e for bf16, e from the largest |q| of the warp's fragments
+    (a warp of a wgmma holds whole rows: 16 of them). Returns 2^e, the factor the scores
+    need."""
+    up = Float32(1.0)
+    if const_expr(rQ.element_type == cutlass.Float16):
+        tSrQ.store(rQ.load())
+    else:
+        x = rQ.load().to(Float32)
+        amax = cutlass.max(x.reduce(cute.ReductionOp.MAX, Float32(0.0), 0),
+                           -x.reduce(cute.ReductionOp.MIN, Float32(0.0), 0))
+        up, down = fp16_range_scale(cute.arch.warp_reduction_max(amax, threads_in_group=32))
+        tSrQ.store((x * down).to(cutlass.Float16))
+    return up
 
 
 @dsl_user_op
@@ -73,21 +121,6 @@ def fp8_pair_to_f16x2(word: Int32, high: bool, kv_dtype: str, *, loc=None,
                     loc, ip)
 
 
-@dsl_user_op
-def _pair_to_16bit(word: Int32, selector: int, kv_dtype: str, dtype: str, *, loc=None,
-                   ip=None) -> Int32:
-    """Two fp8 values of `word` (bytes 0-1 or 2-3) as a packed pair of `dtype`."""
-    if dtype == "float16":
-        return fp8_pair_to_f16x2(word, selector == _HIGH_PAIR, kv_dtype, loc=loc, ip=ip)
-    shift, mask, factor = _FORMATS[(kv_dtype, dtype)]
-    asm = "\n".join([
-        "{", ".reg .b32 h, s, f;", f"prmt.b32 h, $1, 0, {selector:#x};",
-        "and.b32 s, h, 0x80008000;", f"shr.b32 h, h, {shift};",
-        f"lop3.b32 h, h, {mask:#x}, s, 0xea;",  # (h & mask) | s
-        f"mov.b32 f, {factor:#x};", "mul.rn.bf16x2 $0, h, f;", "}"])
-    return _asm_b32([word], asm, loc, ip)
-
-
 @dataclass(frozen=True)
 class Dequant:
     """One converting thread's share of an fp8 -> 16-bit tile conversion."""
@@ -95,7 +128,6 @@ class Dequant:
     tid: Int32  # 0 .. num_threads among the converting threads
     num_threads: cutlass.Constexpr[int]
     kv_dtype: cutlass.Constexpr[str]  # config names: "float8_e4m3fn" / "float8_e5m2"
-    dtype: cutlass.Constexpr[str]  # "bfloat16" / "float16"
     # The staging's 16-byte chunks are XOR-swizzled by the row (TMA's 128-byte swizzle of
     # 128-byte rows: chunk k of row r sits at k ^ (r % 8)).
     swizzled: cutlass.Constexpr[bool] = False
@@ -128,7 +160,6 @@ class Dequant:
         if const_expr(self.swizzled):
             assert rows_per_pass % 4 == 0, "swizzled staging needs rows_per_pass % 4 == 0"
             k_load = k ^ (r0 % 8)
-        out_type = cutlass.BFloat16 if const_expr(self.dtype == "bfloat16") else cutlass.Float16
         if self.tid < rows_per_pass * chunks:
             for j0 in cutlass.range_constexpr(0, passes, BATCH):
                 n = min(BATCH, passes - j0)
@@ -143,21 +174,20 @@ class Dequant:
                 for j in cutlass.range_constexpr(n):
                     r = r0 + (j0 + j) * rows_per_pass
                     if const_expr((j0 + j + 1) * rows_per_pass <= rows):
-                        self._store(words, j, s16, r, k, zero_from, out_type)
+                        self._store(words, j, s16, r, k, zero_from)
                     else:
                         if r < rows:
-                            self._store(words, j, s16, r, k, zero_from, out_type)
+                            self._store(words, j, s16, r, k, zero_from)
 
     @cute.jit
     def _store(self, words: cute.Tensor, j: cutlass.Constexpr[int], s16: cute.Tensor, r: Int32,
-               k: Int32, zero_from: Int32, out_type: cutlass.Constexpr):
+               k: Int32, zero_from: Int32):
         """Convert pass j's 16 values (words[j, :]) and store them as chunk k of row r."""
         out = cute.make_rmem_tensor((1, 8), Int32)
         for i in cutlass.range_constexpr(4):
-            out[0, 2 * i] = _pair_to_16bit(words[j, i], _LOW_PAIR, self.kv_dtype, self.dtype)
-            out[0, 2 * i + 1] = _pair_to_16bit(words[j, i], _HIGH_PAIR, self.kv_dtype,
-                                               self.dtype)
+            out[0, 2 * i] = fp8_pair_to_f16x2(words[j, i], False, self.kv_dtype)
+            out[0, 2 * i + 1] = fp8_pair_to_f16x2(words[j, i], True, self.kv_dtype)
         if r >= zero_from:
             out.fill(0)
-        cute.autovec_copy(cute.recast_tensor(out, out_type),
+        cute.autovec_copy(cute.recast_tensor(out, cutlass.Float16),
                           cute.local_tile(s16, (1, 16), (r, k)))

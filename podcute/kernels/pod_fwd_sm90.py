@@ -40,20 +40,21 @@ import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
 from podcute import layouts
 from podcute.kernels.barriers import NamedBarrier
 from podcute.kernels.config import WARPGROUP_THREADS, KernelConfig
 from podcute.kernels.decode_fp8 import ITEM_ROWS, WARP_KV_ROWS, Fp8WarpDecode
-from podcute.kernels.dequant import Dequant
+from podcute.kernels.dequant import Dequant, q_fragment_to_fp16
 from podcute.kernels.dtypes import DTYPES
 from podcute.kernels.epilogue import (staging_tile, store_fragments, store_lse, store_partial,
                                       store_rows)
 from podcute.kernels.gather import RowGather
 from podcute.kernels.metadata import IParam, Param, WorkCol
 from podcute.kernels.pod_kernel import PodKernelBase
-from podcute.kernels.mma_utils import acc_as_operand_a_layout, rows_cols_view, warpgroup_gemm
+from podcute.kernels.mma_utils import (acc_as_operand_a_layout, kept_in_loop, rows_cols_view,
+                                       warpgroup_gemm)
 from podcute.kernels.softmax import LOG2_E, OnlineSoftmax, rescale_rows, softcap_scores
 from podcute.kernels.smem import smem_atom, tile_smem_layout
 from podcute.kernels.split_merge import finish_split
@@ -88,9 +89,13 @@ class PodAttentionSm90(PodKernelBase):
         self.causal = cfg.causal
         self.has_lse = cfg.has_lse
         self.tma_kv = cfg.tma_kv
-        # fp8 cache: the element type K/V arrive in (staged, then converted to self.dtype).
+        # fp8 cache: the element type K/V arrive in (staged, then converted to mma_dtype).
         self.fp8 = cfg.fp8
         self.kv_dtype = DTYPES[cfg.kv_dtype] if cfg.fp8 else self.dtype
+        # The MMAs' operand type (the 16-bit K/V stages, P): q's, or fp16 beside an fp8
+        # cache whatever q's type (fp8 -> fp16 is exact and cheap; bf16 queries are scaled
+        # into fp16's range in registers, `dequant.q_fragment_to_fp16`).
+        self.mma_dtype = DTYPES[cfg.mma_dtype]
         self.tile_m = cfg.tile_m_prefill  # rows of sQ: every MMA warpgroup's 64
         self.tile_n = cfg.tile_n
         self.num_stages = cfg.num_stages
@@ -102,13 +107,17 @@ class PodAttentionSm90(PodKernelBase):
     def _tiled_mmas(self):
         """One warpgroup's MMAs (each MMA warpgroup partitions its own 64-row slice)."""
         tile_n, d = self.tile_n, self.head_dim
+        q_source = (warpgroup.OperandSource.RMEM if self.cfg.q_in_registers
+                    else warpgroup.OperandSource.SMEM)
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
-            Float32, (1, 1, 1), (WG_ROWS, tile_n),
+            self.mma_dtype, self.mma_dtype, warpgroup.OperandMajorMode.K,
+            warpgroup.OperandMajorMode.K,
+            Float32, (1, 1, 1), (WG_ROWS, tile_n), q_source,
         )
         # P comes from registers (RS wgmma); V is read transposed (MN-major) from smem.
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
+            self.mma_dtype, self.mma_dtype, warpgroup.OperandMajorMode.K,
+            warpgroup.OperandMajorMode.MN,
             Float32, (1, 1, 1), (WG_ROWS, d), warpgroup.OperandSource.RMEM,
         )
         return tiled_mma_qk, tiled_mma_pv
@@ -146,8 +155,8 @@ class PodAttentionSm90(PodKernelBase):
         tile_n, d = self.tile_n, self.head_dim
         tiled_mma_qk, tiled_mma_pv = self._tiled_mmas()
         sQ_layout = tile_smem_layout(self.dtype, self.tile_m, d)
-        sK_layout = tile_smem_layout(self.dtype, tile_n, d, self.num_stages)
-        sV_layout = tile_smem_layout(self.dtype, tile_n, d, self.num_stages)
+        sK_layout = tile_smem_layout(self.mma_dtype, tile_n, d, self.num_stages)
+        sV_layout = tile_smem_layout(self.mma_dtype, tile_n, d, self.num_stages)
         # Decode combine: one fp32 column per thread of a warpgroup (a round's chunk of its
         # O fragment, then its row maxima and partial row sums), so thread t of each
         # warpgroup, which holds the same (row, col) positions, meets its twin without
@@ -179,8 +188,10 @@ class PodAttentionSm90(PodKernelBase):
                 mbar_k8: cute.struct.MemRange[cutlass.Int64, 2 * fp8_stages]
                 mbar_v8: cute.struct.MemRange[cutlass.Int64, 2 * fp8_stages]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.mma_dtype, cute.cosize(sK_layout)],
+                                  1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.mma_dtype, cute.cosize(sV_layout)],
+                                  1024]
             if const_expr(self.fp8):
                 sK8: cute.struct.Align[cute.struct.MemRange[self.kv_dtype, s8_elems], 1024]
                 sV8: cute.struct.Align[cute.struct.MemRange[self.kv_dtype, s8_elems], 1024]
@@ -484,7 +495,7 @@ class PodAttentionSm90(PodKernelBase):
             sK_in, sV_in, pipe_k_in, pipe_v_in = sK8, sV8, pipeline_k8, pipeline_v8
             group_threads = self.cfg.CONVERTER_GROUP_THREADS
             dequant = Dequant((tidx - self.cfg.first_converter) % group_threads, group_threads,
-                              self.cfg.kv_dtype, self.cfg.dtype, self.cfg.warp_decode)
+                              self.cfg.kv_dtype, self.cfg.warp_decode)
             # This warp's converter group (converter_groups or more: an idle warp).
             group = (warp - self.cfg.first_converter // 32) // (group_threads // 32)
         items = partial(
@@ -848,12 +859,9 @@ class PodAttentionSm90(PodKernelBase):
         mma_tidx = cute.arch.thread_idx()[0] - self.cfg.num_producer_threads
         wg = cute.arch.make_warp_uniform(mma_tidx // WARPGROUP_THREADS)
         tidx = mma_tidx % WARPGROUP_THREADS
-        thr_mma_qk = tiled_mma_qk.get_slice(tidx)
-        thr_mma_pv = tiled_mma_pv.get_slice(tidx)
-        acc_shape_S = thr_mma_qk.partition_shape_C((WG_ROWS, tile_n))
-        acc_O = cute.make_rmem_tensor(thr_mma_pv.partition_shape_C((WG_ROWS, d)), Float32)
-        tScS = thr_mma_qk.partition_C(cute.make_identity_tensor((WG_ROWS, tile_n)))
-        tOcO = thr_mma_pv.partition_C(cute.make_identity_tensor((WG_ROWS, d)))
+        acc_shape_S = tiled_mma_qk.get_slice(tidx).partition_shape_C((WG_ROWS, tile_n))
+        acc_O = cute.make_rmem_tensor(
+            tiled_mma_pv.get_slice(tidx).partition_shape_C((WG_ROWS, d)), Float32)
         # Soft-capped raw scores are tanh values whose logits are softcap x them.
         softmax = OnlineSoftmax.create(
             cute.size(rows_cols_view(acc_O), mode=[0]), mParams[self.logit_param] * LOG2_E
@@ -861,7 +869,7 @@ class PodAttentionSm90(PodKernelBase):
         # O's rescale factor of the latest tile, applied while the next S GEMM runs.
         row_scale = cute.make_rmem_tensor_like(softmax.row_max, Float32)
         # P of the previous own KV tile, as the register A operand of the P V wgmma.
-        rP = cute.make_rmem_tensor(acc_shape_S, self.dtype)
+        rP = cute.make_rmem_tensor(acc_shape_S, self.mma_dtype)
         tOrP = cute.make_tensor(rP.iterator, acc_as_operand_a_layout(rP.layout))
         # This warpgroup's O staging tile for the epilogue (None: direct stores).
         sStage = None
@@ -898,8 +906,8 @@ class PodAttentionSm90(PodKernelBase):
             pipeline_q.consumer_wait(stage(i - mCtaPtr[cute.arch.block_idx()[0]], 1))
             item_wgmma = partial(
                 self.item_wgmma, i, kv_count, n_min, n_max, mask_from, mask_until, softmax,
-                row_scale, acc_O, rP, tOrP, sQ, sK, acc_shape_S, tScS, tOcO,
-                thr_mma_qk, thr_mma_pv, tiled_mma_qk, tiled_mma_pv, sV, sScratch, sStage, pipeline_q,
+                row_scale, acc_O, rP, tOrP, sQ, sK, acc_shape_S, tiled_mma_qk, tiled_mma_pv, sV,
+                sScratch, sStage, pipeline_q,
                 pipeline_k, pipeline_v, pipeline_combine, mWork, mQStart, mKvLen, mPageStart,
                 mParams, mIParams, mKScale, mVScale, mSinks, mO, mLSE, mPartialO, mPartialLSE,
                 mCtaPtr, mma_tidx, tidx, wg)
@@ -941,8 +949,7 @@ class PodAttentionSm90(PodKernelBase):
                    mask_from: Int32, mask_until: Int32, softmax: OnlineSoftmax,
                    row_scale: cute.Tensor, acc_O: cute.Tensor, rP: cute.Tensor,
                    tOrP: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor, acc_shape_S,
-                   tScS: cute.Tensor, tOcO: cute.Tensor, thr_mma_qk: cute.ThrMma,
-                   thr_mma_pv: cute.ThrMma, tiled_mma_qk, tiled_mma_pv,
+                   tiled_mma_qk, tiled_mma_pv,
                    sV: cute.Tensor, sScratch: cute.Tensor, sStage: Optional[cute.Tensor],
                    pipeline_q, pipeline_k, pipeline_v, pipeline_combine, mWork, mQStart,
                    mKvLen, mPageStart, mParams, mIParams, mKScale, mVScale, mSinks, mO, mLSE,
@@ -957,6 +964,16 @@ class PodAttentionSm90(PodKernelBase):
         kv_count, n_min, n_max, mask_from, mask_until = (
             cute.arch.make_warp_uniform(v)
             for v in (kv_count, n_min, n_max, mask_from, mask_until))
+        if const_expr(self.cfg.q_in_registers):
+            # This thread's slices of the MMAs from a tidx the compiler may not hoist out
+            # of the item loop: what derives from it (mask coordinates, ldmatrix and
+            # epilogue addresses) then holds registers only through this path. With Q's
+            # 32 registers, the loop-wide copies spilled at 192 (200 with them gone).
+            tidx = kept_in_loop(tidx)
+        thr_mma_qk = tiled_mma_qk.get_slice(tidx)
+        thr_mma_pv = tiled_mma_pv.get_slice(tidx)
+        tScS = thr_mma_qk.partition_C(cute.make_identity_tensor((WG_ROWS, tile_n)))
+        tOcO = thr_mma_pv.partition_C(cute.make_identity_tensor((WG_ROWS, d)))
         # The GEMMs' shared-memory operands (descriptors made here, per item, rather than
         # held through the item loop, which the warp-level decode path shares).
         # This warpgroup's 64 rows of Q (a decode item's rows sit in both halves).
@@ -965,24 +982,38 @@ class PodAttentionSm90(PodKernelBase):
         sVt = cute.composition(
             sV, cute.make_ordered_layout((d, tile_n, self.num_stages), order=(1, 0, 2))
         )
-        tSrQ = thr_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sQ_wg))
+        tSsQ = thr_mma_qk.partition_A(sQ_wg)
+        if const_expr(self.cfg.q_in_registers):
+            tSrQ = cute.make_rmem_tensor(thr_mma_qk.partition_shape_A((WG_ROWS, d)),
+                                         self.mma_dtype)
+        else:
+            tSrQ = thr_mma_qk.make_fragment_A(tSsQ)
         tSrK = thr_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sK))
         tOrVt = thr_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sVt))
         item = WorkItem.load(mWork, mQStart, mKvLen, mPageStart, i)
         decode = Int32(item.is_decode)
         row_offset = wg * WG_ROWS * (1 - decode)
         softmax.reset()
-        # An fp8 cache's k_scale multiplies every score of the item's KV head: it folds
-        # into the softmax's scale (soft-capped scores: into the tanh's, score_tile).
-        item_softmax = softmax
-        if const_expr(self.fp8 and not self.cfg.softcap):
-            item_softmax = OnlineSoftmax(
-                softmax.row_max, softmax.row_sum,
-                self.k_scaled(softmax.scale_log2, mKScale, item.kv_head))
-        acc_O.fill(0.0)
         q_state = stage(i - mCtaPtr[cute.arch.block_idx()[0]], 1)  # (consume waited)
-        # cp.async wrote sQ through the generic proxy; wgmma reads via the async one.
-        cute.arch.fence_view_async_shared()
+        q_up = Float32(1.0)
+        if const_expr(self.cfg.q_in_registers):
+            # Q into registers once (as the MMAs' fp16: q_up = 2^e, the scores' factor);
+            # the stage is free for the next item's Q at once.
+            copy_q = cute.make_tiled_copy_A(
+                cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4),
+                                    self.dtype), tiled_mma_qk).get_slice(tidx)
+            rQ = cute.make_rmem_tensor_like(tSrQ, self.dtype)
+            cute.copy(copy_q, copy_q.partition_S(sQ_wg), copy_q.retile(rQ))
+            pipeline_q.consumer_release(q_state)
+            q_up = q_fragment_to_fp16(rQ, tSrQ)
+        item_softmax, tanh_scale = softmax, None
+        if const_expr(self.fp8):
+            item_softmax, tanh_scale = self.raw_score_scales(softmax, mParams, mKScale,
+                                                             item.kv_head, q_up)
+        acc_O.fill(0.0)
+        if const_expr(not self.cfg.q_in_registers):
+            # cp.async wrote sQ through the generic proxy; wgmma reads via the async one.
+            cute.arch.fence_view_async_shared()
         # The mask re-reads the item (L1 hits) on the few tiles it touches rather than
         # hold its bounds in registers through the mainloop.
         mask_tile = partial(self.mask_tile, tScS=tScS, mWork=mWork, mQStart=mQStart,
@@ -990,7 +1021,7 @@ class PodAttentionSm90(PodKernelBase):
                             wg=wg)
         score_tile = partial(self.score_tile, mask_tile=mask_tile, mask_from=mask_from,
                              mask_until=mask_until, mParams=mParams, mKScale=mKScale,
-                             kv_head=item.kv_head)
+                             kv_head=item.kv_head, tanh_scale=tanh_scale)
         if decode != 0:
             self.mainloop_decode(
                 tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_shape_S, acc_O, rP, tOrP,
@@ -1010,12 +1041,9 @@ class PodAttentionSm90(PodKernelBase):
             # Fold warpgroup 1's softmax state and O into warpgroup 0's.
             self.combine_decode(item_softmax, acc_O, sScratch, pipeline_combine,
                                 item.decode_index, tidx, wg)
-        # sm_scale is re-read (an L1 hit) rather than held through the mainloop.
-        logit_scale = mParams[self.logit_param]
-        if const_expr(not self.cfg.softcap):  # (soft-capped: the tanh took k_scale)
-            logit_scale = self.k_scaled(logit_scale, mKScale, item.kv_head)
-        inv_sum, lse = softmax.finalize(logit_scale,
-                                        self.row_sinks(mSinks, tOcO, item, row_offset))
+        inv_sum, lse = softmax.finalize(
+            self.lse_logit_scale(mParams, mKScale, item.kv_head, softmax, item_softmax),
+            self.row_sinks(mSinks, tOcO, item, row_offset))
         if const_expr(self.fp8):
             # v_scale multiplies every value: O's normaliser takes it (not the LSE).
             v_scale = self.kv_scale(mVScale, item.kv_head)
@@ -1050,7 +1078,7 @@ class PodAttentionSm90(PodKernelBase):
             pipeline_k.consumer_release(k_state)
             score_tile(acc_S, n_block=n_min)
             softmax.update(acc_S, row_scale)
-            rP.store(acc_S.load().to(self.dtype))
+            rP.store(acc_S.load().to(self.mma_dtype))
             for n_block in cutlass.range(n_min + 1, n_max, unroll=1):
                 k_state = stage(kv_count + n_block - n_min, stages)
                 v_state = stage(kv_count + n_block - n_min - 1, stages)
@@ -1071,9 +1099,10 @@ class PodAttentionSm90(PodKernelBase):
                 softmax.update(acc_S, row_scale)
                 warpgroup.wait_group(0)  # P V done: rP is free
                 pipeline_v.consumer_release(v_state)
-                rP.store(acc_S.load().to(self.dtype))
-        # Every S GEMM of this warpgroup has completed: the producer may refill sQ.
-        pipeline_q.consumer_release(q_state)
+                rP.store(acc_S.load().to(self.mma_dtype))
+        if const_expr(not self.cfg.q_in_registers):
+            # Every S GEMM of this warpgroup has completed: the producer may refill sQ.
+            pipeline_q.consumer_release(q_state)
         if n_min < n_max:
             # Last tile's P V.
             rescale_rows(acc_O, row_scale)
@@ -1115,7 +1144,7 @@ class PodAttentionSm90(PodKernelBase):
             self.release(pipeline_k, kv_state, 2)
             score_tile(acc_S, n_block=n_block)
             softmax.update(acc_S, row_scale)
-            rP.store(acc_S.load().to(self.dtype))  # S dies here, before O is rescaled
+            rP.store(acc_S.load().to(self.mma_dtype))  # S dies here, before O is rescaled
             rescale_rows(acc_O, row_scale)
             pipeline_v.consumer_wait(kv_state)
             if const_expr(self.tma_kv and not self.fp8):
@@ -1127,7 +1156,8 @@ class PodAttentionSm90(PodKernelBase):
                            False)
             warpgroup.wait_group(0)
             self.release(pipeline_v, kv_state, 2)
-        pipeline_q.consumer_release(q_state)
+        if const_expr(not self.cfg.q_in_registers):
+            pipeline_q.consumer_release(q_state)
 
     @cute.jit
     def score_tile(self, acc_S: cute.Tensor, n_block: Int32, mask_tile, mask_from: Int32,
@@ -1158,6 +1188,32 @@ class PodAttentionSm90(PodKernelBase):
         item = WorkItem.load(mWork, mQStart, mKvLen, mPageStart, cute.arch.make_warp_uniform(i))
         row_offset = wg * WG_ROWS * (1 - Int32(item.is_decode))
         self.mask_scores(acc_S, tScS, item, row_offset, col_start, mIParams)
+
+    @cute.jit
+    def raw_score_scales(self, softmax: OnlineSoftmax, mParams: cute.Tensor,
+                         mKScale: cute.Tensor, kv_head: Int32, q_up: Float32):
+        """(the item's softmax, the tanh's scale or None) for raw scores Q' K8^T of an fp8
+        cache, Q' = Q / q_up: k_scale and q_up fold into the softmax's scale, or with a
+        soft cap into the tanh's (`score_tile`; one register through the loop). q_up is
+        recovered from them after (`lse_logit_scale`: a power of two, so exactly)."""
+        if const_expr(self.cfg.softcap):
+            return softmax, self.k_scaled(mParams[Param.SOFTCAP_SCALE], mKScale,
+                                          kv_head) * q_up
+        return OnlineSoftmax(softmax.row_max, softmax.row_sum,
+                             self.k_scaled(softmax.scale_log2, mKScale, kv_head) * q_up), None
+
+    @cute.jit
+    def lse_logit_scale(self, mParams: cute.Tensor, mKScale: Optional[cute.Tensor],
+                        kv_head: Int32, softmax: OnlineSoftmax, item_softmax: OnlineSoftmax):
+        """Raw scores -> logits, for the LSE: sm_scale (soft-capped: the cap, the tanh
+        took the rest), times an fp8 cache's k_scale and q_up, the power of two the
+        queries were scaled down by (recovered from the item's softmax scale, which
+        holds both: exactly). Re-read rather than held through the mainloop."""
+        logit_scale = mParams[self.logit_param]
+        if const_expr(self.fp8 and not self.cfg.softcap):
+            q_up = item_softmax.scale_log2 / self.k_scaled(softmax.scale_log2, mKScale, kv_head)
+            logit_scale = self.k_scaled(logit_scale, mKScale, kv_head) * q_up
+        return logit_scale
 
     @cute.jit
     def kv_scale(self, mScale: cute.Tensor, kv_head: Int32) -> Float32:
@@ -1353,7 +1409,9 @@ class PodAttentionSm90(PodKernelBase):
         row r is register 4 k + 2 r + v either way), then warps 1-3's into warp 0's, which
         writes the rows."""
         tile_n = self.tile_n
-        lane = tidx % 32
+        # (the lane's stage addresses are computed per item, not hoisted out of the item
+        # loop, where they would hold registers through the wgmma paths too)
+        lane = kept_in_loop(tidx % 32)
         dec = Fp8WarpDecode(self.cfg.kv_dtype, self.cfg.dtype)
         tiled_mma = dec.tiled_mma()
         thr_mma = tiled_mma.get_slice(lane)
@@ -1371,18 +1429,8 @@ class PodAttentionSm90(PodKernelBase):
         pipeline_q.consumer_release(q_state)  # Q is in registers: the next item's may load
         softmax.reset()
         acc_O.fill(0.0)
-        # Raw scores are Q K8^T / q_up: k_scale and q_up fold into the softmax's scale, or
-        # with a soft cap into the tanh's (score_tile). One register through the loop
-        # (q_up is recovered from it after: a power of two, so exactly).
-        item_softmax = softmax
-        tanh_scale = None
-        if const_expr(self.cfg.softcap):
-            tanh_scale = self.k_scaled(mParams[Param.SOFTCAP_SCALE], mKScale,
-                                       item.kv_head) * q_up
-        else:
-            item_softmax = OnlineSoftmax(
-                softmax.row_max, softmax.row_sum,
-                self.k_scaled(softmax.scale_log2, mKScale, item.kv_head) * q_up)
+        item_softmax, tanh_scale = self.raw_score_scales(softmax, mParams, mKScale,
+                                                         item.kv_head, q_up)
         mask_tile = partial(self.mask_tile, tScS=tScS, mWork=mWork, mQStart=mQStart,
                             mKvLen=mKvLen, mPageStart=mPageStart, mIParams=mIParams, i=i,
                             wg=wg)
@@ -1417,13 +1465,10 @@ class PodAttentionSm90(PodKernelBase):
         if wg == 0:
             self.fold_warps(item_softmax, acc_O, sScratch, tidx)
             if tidx < 32:
-                logit_scale = mParams[self.logit_param]
-                if const_expr(not self.cfg.softcap):  # (soft-capped: the tanh took both)
-                    unscaled = self.k_scaled(softmax.scale_log2, mKScale, item.kv_head)
-                    q_up = item_softmax.scale_log2 / unscaled
-                    logit_scale = self.k_scaled(logit_scale, mKScale, item.kv_head) * q_up
-                inv_sum, lse = softmax.finalize(logit_scale,
-                                                self.row_sinks(mSinks, tOcO, item, Int32(0)))
+                inv_sum, lse = softmax.finalize(
+                    self.lse_logit_scale(mParams, mKScale, item.kv_head, softmax,
+                                         item_softmax),
+                    self.row_sinks(mSinks, tOcO, item, Int32(0)))
                 v_scale = self.kv_scale(mVScale, item.kv_head)
                 for r in cutlass.range_constexpr(cute.size(inv_sum)):
                     inv_sum[r] = inv_sum[r] * v_scale
