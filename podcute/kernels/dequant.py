@@ -152,6 +152,15 @@ class Dequant:
         passes = -(-rows // rows_per_pass)
         k = self.tid % chunks
         r0 = self.tid // chunks
+        if const_expr(chunks == 8 and rows_per_pass % 2 == 0):
+            # D 128: a row's 16-bit chunks k and k + 4 sit in the two column blocks at the
+            # same banks, so a quarter warp on one row (8 threads, 8 chunks) stored 2-way
+            # conflicted. A quarter warp takes chunks 0-3 of one row and 4-7 of the next
+            # (the next quarter the other halves): its 16-byte stores then land on even
+            # chunks (row r) and odd ones (r ^ 1) after the swizzle, and its 16-byte fp8
+            # loads on chunks {0-3} and {4-7}, XORed with r % 8 < 4 or >= 4 alike:
+            # conflict-free both ways.
+            r0 = 2 * (self.tid // 16) + ((k // 4) ^ ((self.tid // 8) % 2))
         # Swizzled staging: row r0 + j * rows_per_pass holds chunk k at k ^ (r0 % 8) ^
         # (j * rows_per_pass % 8), the second term static when rows_per_pass is a multiple
         # of 4 ((x + 4) % 8 == x ^ 4): one XOR for all passes (a clamped last row reads a
