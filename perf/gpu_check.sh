@@ -3,7 +3,7 @@
 #
 #   bash perf/gpu_check.sh STEP...      STEP: demo warm kernel features graph compat serving memcheck
 #                                             racecheck synccheck quick-bench bench host
-#                                             warm-fp8 fp8 fp8-bench fp8-memcheck
+#                                             warm-fp8 fp8 fp8-bench fp8-memcheck fp8-ab
 #                                             warm-portable portable (PODCUTE_ARCH=sm_90)
 #                                             fp8-racecheck fp8-synccheck
 #                                             ncu-W-PAGE
@@ -69,6 +69,16 @@ for s in "$@"; do
         python -m pytest -q -x -m gpu tests/test_fp8_gpu.py ;;
     fp8-bench) step fp8-bench 500 python -m perf.bench_fp8 --out "$OUT/fp8" \
         --dtypes bfloat16,float16 ;;
+    # A/B: perf.bench_fp8 (FP8_AB_ARGS) of the tree unpacked in .device/base and of this
+    # one, alternating base/new twice (one machine, so the ratio is the measurement)
+    fp8-ab) ln -sfn ../layouts .device/base/podcute/layouts
+        for r in 1 2; do
+          step fp8-ab-new$r 200 python -m perf.bench_fp8 --out "$OUT/fp8-ab-new$r" \
+              ${FP8_AB_ARGS:---workloads F1,M3 --pages 16,128 --dtypes bfloat16}
+          step fp8-ab-base$r 200 env -C .device/base PYTHONPATH=$PWD/.device/base:${PYTHONPATH:-} \
+              python -m perf.bench_fp8 --out "$OUT/fp8-ab-base$r" \
+              ${FP8_AB_ARGS:---workloads F1,M3 --pages 16,128 --dtypes bfloat16}
+        done ;;
     fp8-memcheck) step fp8-memcheck 300 compute-sanitizer --tool memcheck --error-exitcode 3 \
         python tests/gpu_sanitize.py --fp8 ;;
     fp8-racecheck) step fp8-racecheck 400 compute-sanitizer --tool racecheck --error-exitcode 3 \
