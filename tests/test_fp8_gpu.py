@@ -163,6 +163,30 @@ def test_fp8_scales_per_head_matter():
     assert rel <= TOL[torch.bfloat16], rel
 
 
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_fp8_nonfinite_query_spoils_only_its_row(bad):
+    # bf16 queries meet an fp8 cache in fp16, scaled per warp (16 packed rows) by a power
+    # of two from the largest finite |q|: one inf or NaN query value must not zero the
+    # rows scaled with it. A prefill (wgmma path) and a decode of 4 rows (warp-level
+    # path) each get one bad value; every other row must match the reference.
+    b = make_batch([40, 1], [300, 500], num_qo_heads=8, num_kv_heads=2, head_dim=128,
+                   page_size=16, device="cuda", seed=6)
+    k8, ks = quantize_kv_cache(b.k_cache)
+    v8, vs = quantize_kv_cache(b.v_cache)
+    q = b.q.clone()
+    q[5, 1, 7] = bad  # prefill token 5, head 1 (KV head 0)
+    q[40, 6, 3] = bad  # the decode's token, head 6 (KV head 1)
+    attn = PODAttention(8, 2, 128, 16, device="cuda", kv_dtype=torch.float8_e4m3fn)
+    attn.plan(b.cu_seqlens_q, b.seqused_k, block_table=b.block_table)
+    out = attn.run(q, k8, v8, k_scale=ks, v_scale=vs)
+    ref = pod_attention_reference(q, k8, v8, k_scale=ks, v_scale=vs, **b.kwargs())
+    good = torch.ones(q.shape[:2], dtype=torch.bool, device="cuda")
+    good[5, 1] = good[40, 6] = False
+    assert ref[good].isfinite().all()
+    o, r = out[good].float(), ref[good].float()
+    assert ((o - r).norm() / r.norm()).item() <= TOL[torch.bfloat16]
+
+
 def test_fp8_device_scale_changes_without_replan():
     # A device scale tensor is read by the kernel: new values, same plan, new output.
     b = make_batch(*MIXED, num_qo_heads=8, num_kv_heads=2, head_dim=128, page_size=16,

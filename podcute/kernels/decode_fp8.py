@@ -41,7 +41,8 @@ import cutlass.cute as cute
 from cutlass import Float16, Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import warp
 
-from podcute.kernels.dequant import byte_perm, fp16_range_scale, fp8_pair_to_f16x2
+from podcute.kernels.dequant import (byte_perm, finite_abs_max, fp16_range_scale,
+                                     fp8_pair_to_f16x2)
 from podcute.kernels.dtypes import DTYPES
 
 ITEM_ROWS = 8  # packed rows of an item on this path: rows 0-7 of the m16 MMAs
@@ -95,9 +96,7 @@ class Fp8WarpDecode:
             amax = Float32(0.0)
             for k in cutlass.range_constexpr(cols // 8):
                 chunk = self._q_chunk(sQ, c, q, k)
-                x = chunk.load().to(Float32)
-                for v in cutlass.range_constexpr(8):
-                    amax = cutlass.max(amax, cutlass.max(x[v], -x[v]))
+                amax = cutlass.max(amax, finite_abs_max(chunk.load().to(Float32)))
             up, down = fp16_range_scale(cute.arch.warp_reduction_max(amax, threads_in_group=32))
         for k in cutlass.range_constexpr(cols // 8):
             chunk = self._q_chunk(sQ, c, q, k)

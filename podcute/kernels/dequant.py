@@ -82,6 +82,17 @@ def fp16_range_scale(amax: Float32):
 
 
 @cute.jit
+def finite_abs_max(x) -> Float32:
+    """The largest finite |x| of the float32 TensorSSA x (0 if none). A row of inf or
+    NaN queries must not set the scale of the rows it is scaled with: through 2^-e they
+    would all round to zero; this way only its own scores are non-finite, as without
+    the scaling."""
+    ax = abs(x)
+    return cute.where(ax < Float32(float("inf")), ax, Float32(0.0)).reduce(
+        cute.ReductionOp.MAX, Float32(0.0), 0)
+
+
+@cute.jit
 def q_fragment_to_fp16(rQ: cute.Tensor, tSrQ: cute.Tensor) -> Float32:
     """Fill the fp16 fragment tSrQ from the 16-bit query fragment rQ (same layout): as is
     for fp16, scaled by 2^-e for bf16, e from the largest |q| of the warp's fragments
@@ -92,9 +103,8 @@ def q_fragment_to_fp16(rQ: cute.Tensor, tSrQ: cute.Tensor) -> Float32:
         tSrQ.store(rQ.load())
     else:
         x = rQ.load().to(Float32)
-        amax = cutlass.max(x.reduce(cute.ReductionOp.MAX, Float32(0.0), 0),
-                           -x.reduce(cute.ReductionOp.MIN, Float32(0.0), 0))
-        up, down = fp16_range_scale(cute.arch.warp_reduction_max(amax, threads_in_group=32))
+        up, down = fp16_range_scale(
+            cute.arch.warp_reduction_max(finite_abs_max(x), threads_in_group=32))
         tSrQ.store((x * down).to(cutlass.Float16))
     return up
 
