@@ -3,6 +3,8 @@ selects, the compile key, and every bad argument (kv_dtype, cache dtype, scales)
 with a named error before any device check; a valid call without a Hopper GPU raises the
 clear RuntimeError."""
 
+import os
+
 import pytest
 import torch
 
@@ -212,3 +214,67 @@ def test_warp_decode_path_and_its_arrivals():
                     assert c.tile_n == 4 * WARP_KV_ROWS and c.fp8_stages % 2 == 0
                     assert c.tile_m_decode >= ITEM_ROWS
     assert not KernelConfig.select("bfloat16", 128, 4, page_size=16).warp_decode
+
+
+def _stage_offsets(head_dim):
+    """Element offset of (row, column) in a 64-row 16-bit K/V stage (kernels/smem.py) and
+    the byte swizzle on its pointer, from the DSL on the host."""
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    cutlass = pytest.importorskip("cutlass")
+    import cutlass.cute as cute
+
+    from podcute.kernels.smem import tile_smem_layout
+    found = {}
+
+    @cute.jit
+    def offsets():
+        lay = tile_smem_layout(cutlass.Float16, 64, head_dim)
+        found["swizzle"] = str(lay.inner)
+        for r in cutlass.range_constexpr(64):
+            for c in cutlass.range_constexpr(0, head_dim, 8):
+                found[(r, c)] = lay.outer((r, c))
+
+    offsets()
+    return found
+
+
+@pytest.mark.parametrize("swizzled", [False, True])
+def test_converters_cover_the_tile_without_bank_conflicts(swizzled):
+    # A converter group (96 threads) at D 128: every (row, chunk) of a 64-token tile once
+    # per pass set, and each quarter warp's 16-byte accesses on 8 distinct bank groups:
+    # its two stores a pass into the 16-bit stage (the real layout and swizzle) and its
+    # load from the fp8 staging (128-byte rows, chunks XOR-swizzled by the row or not).
+    from podcute.kernels.dequant import converter_chunk
+    threads, chunks, rows, d = 96, 8, 64, 128
+    rows_per_pass = threads // chunks
+    found = _stage_offsets(d)
+    assert found["swizzle"] == "S<3,4,3>"  # bytes [4, 7) ^= bytes [7, 10)
+
+    def bank_group(byte_addr):
+        return ((byte_addr ^ (((byte_addr >> 7) & 7) << 4)) // 16) % 8
+
+    covered = set()
+    for j in range(-(-rows // rows_per_pass)):
+        for quarter in range(threads // 8):
+            stores, loads = [set(), set()], set()
+            for tid in range(8 * quarter, 8 * quarter + 8):
+                r0, k = converter_chunk(tid, chunks, rows_per_pass)
+                r = r0 + j * rows_per_pass
+                if r >= rows:
+                    continue
+                covered.add((r, k))
+                for half in range(2):  # the chunk's 16 values: two 16-byte stores
+                    stores[half].add(bank_group(2 * found[(r, 16 * k + 8 * half)]))
+                loads.add((k ^ (r % 8) if swizzled else k) % 8)
+            live = len(loads)
+            assert live in (0, 8) and all(len(s) == live for s in stores), (j, quarter)
+    assert covered == {(r, k) for r in range(rows) for k in range(chunks)}
+
+
+@pytest.mark.parametrize("head_dim", FP8_HEAD_DIMS)
+def test_converter_rows_are_a_partition(head_dim):
+    from podcute.kernels.dequant import converter_chunk
+    chunks = head_dim // 16
+    rows_per_pass = 96 // chunks
+    cells = [converter_chunk(t, chunks, rows_per_pass) for t in range(rows_per_pass * chunks)]
+    assert sorted(cells) == [(r, k) for r in range(rows_per_pass) for k in range(chunks)]

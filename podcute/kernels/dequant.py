@@ -131,6 +131,24 @@ def fp8_pair_to_f16x2(word: Int32, high: bool, kv_dtype: str, *, loc=None,
                     loc, ip)
 
 
+def converter_chunk(tid, chunks: int, rows_per_pass: int):
+    """(first row, 16-value chunk) of converting thread `tid` (an Int32 in the kernel, an
+    int in tests/test_fp8_api.py); its rows are first row + j * rows_per_pass.
+
+    By default a quarter warp (8 threads) takes 8 chunks of one row. At D 128 (8 chunks)
+    that conflicts: a row's 16-bit chunks k and k + 4 sit in the two 64-column blocks at
+    the same banks, so the quarter warp's 16-byte stores were 2-way conflicted. There a
+    quarter warp takes chunks 0-3 of one row and 4-7 of the next (the next quarter the
+    other halves): its stores land on even chunks (row r) and odd ones (r ^ 1) after the
+    swizzle, and its 16-byte fp8 loads on chunks {0-3} and {4-7}, XORed with r % 8 (< 4
+    or >= 4 for both rows alike): conflict-free both ways, swizzled staging or not."""
+    k = tid % chunks
+    r0 = tid // chunks
+    if chunks == 8 and rows_per_pass % 2 == 0:
+        r0 = 2 * (tid // 16) + ((k // 4) ^ ((tid // 8) % 2))
+    return r0, k
+
+
 @dataclass(frozen=True)
 class Dequant:
     """One converting thread's share of an fp8 -> 16-bit tile conversion."""
@@ -160,17 +178,7 @@ class Dequant:
         # threads past the last whole group of rows (D 96's 4 of 64) idle.
         rows_per_pass = self.num_threads // chunks
         passes = -(-rows // rows_per_pass)
-        k = self.tid % chunks
-        r0 = self.tid // chunks
-        if const_expr(chunks == 8 and rows_per_pass % 2 == 0):
-            # D 128: a row's 16-bit chunks k and k + 4 sit in the two column blocks at the
-            # same banks, so a quarter warp on one row (8 threads, 8 chunks) stored 2-way
-            # conflicted. A quarter warp takes chunks 0-3 of one row and 4-7 of the next
-            # (the next quarter the other halves): its 16-byte stores then land on even
-            # chunks (row r) and odd ones (r ^ 1) after the swizzle, and its 16-byte fp8
-            # loads on chunks {0-3} and {4-7}, XORed with r % 8 < 4 or >= 4 alike:
-            # conflict-free both ways.
-            r0 = 2 * (self.tid // 16) + ((k // 4) ^ ((self.tid // 8) % 2))
+        r0, k = converter_chunk(self.tid, chunks, rows_per_pass)
         # Swizzled staging: row r0 + j * rows_per_pass holds chunk k at k ^ (r0 % 8) ^
         # (j * rows_per_pass % 8), the second term static when rows_per_pass is a multiple
         # of 4 ((x + 4) % 8 == x ^ 4): one XOR for all passes (a clamped last row reads a
