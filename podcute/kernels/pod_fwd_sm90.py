@@ -967,8 +967,8 @@ class PodAttentionSm90(PodKernelBase):
         if const_expr(self.cfg.q_in_registers):
             # This thread's slices of the MMAs from a tidx the compiler may not hoist out
             # of the item loop: what derives from it (mask coordinates, ldmatrix and
-            # epilogue addresses) then holds registers only through this path. With Q's
-            # 32 registers, the loop-wide copies spilled at 192 (200 with them gone).
+            # epilogue addresses) then holds registers only through this path. Hoisted
+            # beside Q's 32 registers, they made the MMA warps spill even at 208.
             tidx = kept_in_loop(tidx)
         thr_mma_qk = tiled_mma_qk.get_slice(tidx)
         thr_mma_pv = tiled_mma_pv.get_slice(tidx)
