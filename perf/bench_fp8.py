@@ -123,7 +123,8 @@ def main(argv=None) -> int:
                 results.append(dict(name=w.name, page_size=page, error=repr(e)[:500],
                                     timings={}, rel_l2={}, roofline_fp8_ms=float("nan")))
             print(f"[{time.perf_counter() - t0:6.1f}s] {w.name} p{page}: "
-                  f"{ {k: v.get('ms') for k, v in results[-1]['timings'].items()} }",
+                  f"{ {k: v.get('ms') for k, v in results[-1]['timings'].items()} }"
+                  f"{' ' + results[-1]['error'] if 'error' in results[-1] else ''}",
                   file=sys.stderr, flush=True)
             with open(os.path.join(args.out, "bench_fp8.json"), "w") as f:
                 json.dump(dict(ceilings=ceil, command=" ".join(sys.argv), results=results), f,
@@ -132,7 +133,9 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "bench_fp8.md"), "w") as f:
         f.write(md)
     print(md)
-    return 0
+    # A row that failed is in the JSON and the table as "-"; the exit status says so too
+    # (a run whose every row failed once passed for a measurement).
+    return 1 if any("error" in r for r in results) else 0
 
 
 if __name__ == "__main__":
