@@ -72,12 +72,11 @@ for s in "$@"; do
     # A/B: perf.bench_fp8 (FP8_AB_ARGS) of the tree unpacked in .device/base and of this
     # one, alternating base/new twice (one machine, so the ratio is the measurement)
     fp8-ab) ln -sfn ../layouts .device/base/podcute/layouts
+        ab_args=${FP8_AB_ARGS:---workloads F1,M3 --pages 16,128 --dtypes bfloat16}
         for r in 1 2; do
-          step fp8-ab-new$r 200 python -m perf.bench_fp8 --out "$OUT/fp8-ab-new$r" \
-              ${FP8_AB_ARGS:---workloads F1,M3 --pages 16,128 --dtypes bfloat16}
+          step fp8-ab-new$r 200 python -m perf.bench_fp8 --out "$OUT/fp8-ab-new$r" $ab_args
           step fp8-ab-base$r 200 env -C .device/base PYTHONPATH=$PWD/.device/base:${PYTHONPATH:-} \
-              python -m perf.bench_fp8 --out "$OUT/fp8-ab-base$r" \
-              ${FP8_AB_ARGS:---workloads F1,M3 --pages 16,128 --dtypes bfloat16}
+              python -m perf.bench_fp8 --out "$OUT/fp8-ab-base$r" $ab_args
         done ;;
     fp8-memcheck) step fp8-memcheck 300 compute-sanitizer --tool memcheck --error-exitcode 3 \
         python tests/gpu_sanitize.py --fp8 ;;

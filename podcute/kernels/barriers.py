@@ -12,8 +12,9 @@ racecheck follows, where it flagged the named-barrier hand-overs.
 from enum import IntEnum
 
 from cutlass import Int32
-from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
+
+from podcute.kernels.ptx import asm32
 
 MAX_MMA_WARPGROUPS = 2
 
@@ -41,10 +42,9 @@ def barrier_or(pred, barrier_id: int, number_of_threads: int, *, loc=None, ip=No
     any of them passed a nonzero `pred`, else 0: one thread's verdict reaches all
     without a shared-memory flag (which racecheck saw as a hand-over across a named
     barrier). The DSL's barrier has no reduction form, hence the PTX."""
-    return Int32(llvm.inline_asm(
-        Int32.mlir_type, [Int32(pred).ir_value(loc=loc, ip=ip)],
+    return asm32(
+        Int32, [Int32(pred)],
         "{\n\t.reg .pred p, q;\n\tsetp.ne.u32 p, $1, 0;\n\t"
         f"bar.red.or.pred q, {int(barrier_id)}, {int(number_of_threads)}, p;\n\t"
         "selp.u32 $0, 1, 0, q;\n\t}",
-        "=r,r", has_side_effects=True, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+        side_effects=True, loc=loc, ip=ip)

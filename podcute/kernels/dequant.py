@@ -24,25 +24,15 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
-from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
-# Passes whose loads are in flight together (3 x 4 words: what the producer's 72 registers
-# hold beside the addresses without spilling).
+from podcute.kernels.ptx import asm32, f32_bits, pow2
+
+# Passes whose loads are in flight together (3 x 4 words: what the producer's registers,
+# 56 since the seventeenth session, hold beside the addresses without spilling).
 BATCH = 3
 # prmt selectors: bytes 0, 1 (or 2, 3) of a word to the high bytes of two 16-bit lanes.
 _LOW_PAIR, _HIGH_PAIR = 0x1404, 0x3424
-
-
-def _asm_b32(args, asm: str, loc=None, ip=None) -> Int32:
-    """One 32-bit result of inline PTX over 32-bit register operands $1.. (no side
-    effects: the compiler may schedule it freely)."""
-    return Int32(llvm.inline_asm(
-        Int32.mlir_type, [Int32(a).ir_value(loc=loc, ip=ip) for a in args], asm,
-        "=r" + ",r" * len(args), has_side_effects=False, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
-
-
 # Queries beside an fp8 cache meet K and V as fp16 (e4m3 -> fp16 is one instruction a
 # pair, -> bf16 five), so bf16 queries are scaled into fp16's range by a power of two:
 # the largest |q| of the rows scaled together goes to [2^14, 2^15), and e is clamped so
@@ -53,32 +43,14 @@ def _asm_b32(args, asm: str, loc=None, ip=None) -> Int32:
 _Q_TOP_EXP, _Q_EXP_LIMIT = 14, 100
 
 
-@dsl_user_op
-def _f32_bits(x: Float32, *, loc=None, ip=None) -> Int32:
-    return Int32(llvm.inline_asm(
-        Int32.mlir_type, [Float32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=r,f",
-        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc, ip=ip))
-
-
-@dsl_user_op
-def _pow2(e: Int32, *, loc=None, ip=None) -> Float32:
-    """2^e as a float (e a normal exponent): the bits (e + 127) << 23."""
-    bits = (Int32(e) + 127) << 23
-    return Float32(llvm.inline_asm(
-        Float32.mlir_type, [bits.ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=f,r",
-        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc, ip=ip))
-
-
 @cute.jit
 def fp16_range_scale(amax: Float32):
     """(2^e, 2^-e) for rows of bf16 queries whose largest |q| is `amax` (the same for
     every thread that scales them): q x 2^-e is an exact fp16, and scores of the scaled
     rows are 2^-e times the true ones."""
-    e = ((_f32_bits(amax) >> 23) & 0xFF) - 127 - _Q_TOP_EXP
+    e = ((f32_bits(amax) >> 23) & 0xFF) - 127 - _Q_TOP_EXP
     e = cutlass.max(-_Q_EXP_LIMIT, cutlass.min(e, _Q_EXP_LIMIT))
-    return _pow2(e), _pow2(-e)
+    return pow2(e), pow2(-e)
 
 
 @cute.jit
@@ -113,7 +85,8 @@ def q_fragment_to_fp16(rQ: cute.Tensor, tSrQ: cute.Tensor) -> Float32:
 def byte_perm(a: Int32, b: Int32, selector: int, *, loc=None, ip=None) -> Int32:
     """`prmt.b32`: byte i of the result is byte (selector >> 4i) & 7 of the 8 bytes
     (a's 0-3, b's 4-7)."""
-    return _asm_b32([a, b], f"prmt.b32 $0, $1, $2, {selector:#x};", loc, ip)
+    return asm32(Int32, [Int32(a), Int32(b)], f"prmt.b32 $0, $1, $2, {selector:#x};",
+                 loc=loc, ip=ip)
 
 
 @dsl_user_op
@@ -126,9 +99,9 @@ def fp8_pair_to_f16x2(word: Int32, high: bool, kv_dtype: str, *, loc=None,
         half = "hi" if high else "lo"
         asm = ("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, $1;\n"
                f"cvt.rn.f16x2.e4m3x2 $0, {half};\n}}")
-        return _asm_b32([word], asm, loc, ip)
-    return _asm_b32([word], f"prmt.b32 $0, $1, 0, {_HIGH_PAIR if high else _LOW_PAIR:#x};",
-                    loc, ip)
+        return asm32(Int32, [Int32(word)], asm, loc=loc, ip=ip)
+    return asm32(Int32, [Int32(word)],
+                 f"prmt.b32 $0, $1, 0, {_HIGH_PAIR if high else _LOW_PAIR:#x};", loc=loc, ip=ip)
 
 
 def converter_chunk(tid, chunks: int, rows_per_pass: int):

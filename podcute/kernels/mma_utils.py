@@ -10,9 +10,7 @@ re-indexings of the same registers.
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, const_expr
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import dsl_user_op
+from cutlass import const_expr
 from cutlass.cute.nvgpu import warpgroup
 
 
@@ -111,14 +109,3 @@ def warp_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCr
             cute.copy(copy_B, tCsB[None, None, k + 1], tCrB_copy[None, None, k + 1])
         cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
 
-
-@dsl_user_op
-def kept_in_loop(value: Int32, *, loc=None, ip=None) -> Int32:
-    """`value` through a volatile `mov`: arithmetic on the result stays inside the loop
-    that uses it. The compiler hoists loop-invariant addresses (a thread's ldmatrix
-    addresses, say) out of the MMA warps' item loop, where they hold registers through
-    every path of the loop, the warp-level decode path's 190 of 192 included."""
-    return Int32(llvm.inline_asm(
-        Int32.mlir_type, [Int32(value).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;",
-        "=r,r", has_side_effects=True, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))

@@ -53,8 +53,8 @@ from podcute.kernels.epilogue import (staging_tile, store_fragments, store_lse, 
 from podcute.kernels.gather import RowGather
 from podcute.kernels.metadata import IParam, Param, WorkCol
 from podcute.kernels.pod_kernel import PodKernelBase
-from podcute.kernels.mma_utils import (acc_as_operand_a_layout, kept_in_loop, rows_cols_view,
-                                       warpgroup_gemm)
+from podcute.kernels.ptx import kept_in_loop
+from podcute.kernels.mma_utils import acc_as_operand_a_layout, rows_cols_view, warpgroup_gemm
 from podcute.kernels.softmax import LOG2_E, OnlineSoftmax, rescale_rows, softcap_scores
 from podcute.kernels.smem import smem_atom, tile_smem_layout
 from podcute.kernels.split_merge import finish_split
@@ -982,12 +982,11 @@ class PodAttentionSm90(PodKernelBase):
         sVt = cute.composition(
             sV, cute.make_ordered_layout((d, tile_n, self.num_stages), order=(1, 0, 2))
         )
-        tSsQ = thr_mma_qk.partition_A(sQ_wg)
         if const_expr(self.cfg.q_in_registers):
             tSrQ = cute.make_rmem_tensor(thr_mma_qk.partition_shape_A((WG_ROWS, d)),
                                          self.mma_dtype)
         else:
-            tSrQ = thr_mma_qk.make_fragment_A(tSsQ)
+            tSrQ = thr_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sQ_wg))
         tSrK = thr_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sK))
         tOrVt = thr_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sVt))
         item = WorkItem.load(mWork, mQStart, mKvLen, mPageStart, i)
