@@ -3,7 +3,7 @@
 #
 #   bash perf/gpu_check.sh STEP...      STEP: demo warm kernel features graph compat serving memcheck
 #                                             racecheck synccheck quick-bench bench host
-#                                             warm-fp8 fp8 fp8-bench fp8-memcheck fp8-ab
+#                                             warm-fp8 fp8 fp8-bench fp8-memcheck fp8-ab ab
 #                                             warm-portable portable (PODCUTE_ARCH=sm_90)
 #                                             fp8-racecheck fp8-synccheck
 #                                             ncu-W-PAGE
@@ -69,14 +69,20 @@ for s in "$@"; do
         python -m pytest -q -x -m gpu tests/test_fp8_gpu.py ;;
     fp8-bench) step fp8-bench 500 python -m perf.bench_fp8 --out "$OUT/fp8" \
         --dtypes bfloat16,float16 ;;
-    # A/B: perf.bench_fp8 (FP8_AB_ARGS) of the tree unpacked in .device/base and of this
-    # one, alternating base/new twice (one machine, so the ratio is the measurement)
-    fp8-ab) ln -sfn ../layouts .device/base/podcute/layouts
-        ab_args=${FP8_AB_ARGS:---workloads F1,M3 --pages 16,128 --dtypes bfloat16}
+    # A/B: one benchmark command of the tree unpacked in .device/base and of this one,
+    # alternating new/base twice (one machine, so the ratio is the measurement).
+    # fp8-ab: perf.bench_fp8 FP8_AB_ARGS; ab: AB_CMD (e.g. "perf.bench --quick --only
+    # M1,F1"; with PODCUTE_ARCH=sm_90 in the environment, of the portable kernel).
+    fp8-ab|ab) ln -sfn ../layouts .device/base/podcute/layouts
+        if [ "$s" = fp8-ab ]; then
+          ab_cmd="perf.bench_fp8 ${FP8_AB_ARGS:---workloads F1,M3 --pages 16,128 --dtypes bfloat16}"
+        else
+          ab_cmd=${AB_CMD:-perf.bench --quick --only M1,D1,F1 --pages 16}
+        fi
         for r in 1 2; do
-          step fp8-ab-new$r 200 python -m perf.bench_fp8 --out "$OUT/fp8-ab-new$r" $ab_args
-          step fp8-ab-base$r 200 env -C .device/base PYTHONPATH=$PWD/.device/base:${PYTHONPATH:-} \
-              python -m perf.bench_fp8 --out "$OUT/fp8-ab-base$r" $ab_args
+          step $s-new$r 200 python -m $ab_cmd --out "$OUT/$s-new$r"
+          step $s-base$r 200 env -C .device/base PYTHONPATH=$PWD/.device/base:${PYTHONPATH:-} \
+              python -m $ab_cmd --out "$OUT/$s-base$r"
         done ;;
     fp8-memcheck) step fp8-memcheck 300 compute-sanitizer --tool memcheck --error-exitcode 3 \
         python tests/gpu_sanitize.py --fp8 ;;

@@ -22,6 +22,8 @@ WARP_MMA_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_120a")
 ARCH_SMEM = {"sm_80": (164 * 1024, 163 * 1024), "sm_86": (100 * 1024, 99 * 1024),
              "sm_89": (100 * 1024, 99 * 1024), "sm_90": (228 * 1024, 227 * 1024),
              "sm_90a": (228 * 1024, 227 * 1024), "sm_120a": (100 * 1024, 99 * 1024)}
+# Shared memory the CUDA runtime reserves for each resident CTA, out of the SM's.
+CTA_RESERVED_SMEM = 1024
 # Head dims of the warp-level kernel (its O accumulator of 64 x D over 128 threads: D 256
 # would take 128 registers a thread for O alone).
 WARP_HEAD_DIMS = (64, 96, 128)
@@ -357,10 +359,12 @@ class KernelConfig:
             return False, f"group {self.group} must be >= 1"
         if (self.tile_m_prefill, self.tile_m_decode, self.tile_n) != (64, 64, 64):
             return False, "the warp-level kernel runs 64-row items over 64-token tiles"
-        if (self.kv_box, self.num_stages, self.num_mma_warpgroups) != (0, 1, 1):
-            return False, "the warp-level kernel gathers K/V rows into one stage, 4 warps"
+        if (self.kv_box, self.num_mma_warpgroups) != (0, 1) or self.num_stages not in (1, 2):
+            return False, ("the warp-level kernel gathers K/V rows into 1 or 2 stages, "
+                           "4 warps")
         per_sm, per_cta = ARCH_SMEM[self.arch]
-        if self.smem_bytes() > per_cta or self.smem_bytes() * self.ctas_per_sm > per_sm:
+        if (self.smem_bytes() > per_cta
+                or (self.smem_bytes() + CTA_RESERVED_SMEM) * self.ctas_per_sm > per_sm):
             return False, (f"{self.smem_bytes()} B of shared memory x {self.ctas_per_sm} CTAs "
                            f"on {self.arch} ({per_sm} B an SM, {per_cta} B a CTA)")
         if not 1 <= self.ctas_per_sm <= 2:
@@ -498,8 +502,12 @@ class KernelConfig:
     def _select_warp(dtype, head_dim, group, causal, has_lse, arch, window, softcap,
                      has_sinks, kv_dtype) -> "KernelConfig":
         """The warp-level kernel (every page size: its K/V rows are gathered): 64-row items
-        (4 warps x 16) over 64-token tiles, and as many CTAs an SM (up to 2) as shared
-        memory holds (D 128: 48 KB a CTA; 2 on every listed architecture)."""
+        (4 warps x 16) over 64-token tiles, two CTAs an SM, and two K/V stages where two
+        CTAs of them fit the SM's shared memory (D 128: 81 KB a CTA on sm_80 and sm_90;
+        one stage, 49 KB, on the 100 KB SMs of sm_86/89/120a). Two CTAs come first: a
+        lone CTA would leave its SM idle at every barrier; the second stage doubles the
+        bytes a decoding CTA keeps in flight (its one busy warp waits on HBM latency, not
+        on its MMAs)."""
         if kv_dtype:
             raise ValueError(f"fp8 KV caches need the sm_90a kernel; {arch} has none "
                              f"(kv_dtype {kv_dtype!r})")
@@ -513,6 +521,8 @@ class KernelConfig:
             window=bool(window), softcap=bool(softcap), has_sinks=bool(has_sinks),
             o_staging=False,
         )
-        per_sm, _ = ARCH_SMEM[arch]
-        return dataclasses.replace(
-            cfg, ctas_per_sm=max(1, min(2, per_sm // cfg.smem_bytes())))._checked()
+        for stages in (2, 1):
+            staged = dataclasses.replace(cfg, num_stages=stages, ctas_per_sm=2)
+            if staged.can_implement()[0]:
+                return staged._checked()
+        return dataclasses.replace(cfg, ctas_per_sm=1)._checked()

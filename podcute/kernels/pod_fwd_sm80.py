@@ -8,10 +8,14 @@ that request's KV tokens. What differs is how the tensor cores are fed.
 
 CTA = 4 warps (FlashAttention-2's structure), each warp owning 16 of the item's 64 rows:
   * every thread both copies and computes: Q rows and K/V page rows come by cp.async
-    (`gather.RowGather`, the page of each row looked up one tile ahead), into one
-    swizzled shared-memory tile each;
+    (`gather.RowGather`, the page of each row looked up one tile ahead), into swizzled
+    shared-memory tiles;
   * S = Q K^T and O += P V are mma.sync over fragments read with ldmatrix (V through
-    ldmatrix.trans); V of tile n loads while S of tile n and its softmax run, K of tile
+    ldmatrix.trans);
+  * two K/V stages (`KernelConfig.num_stages`, where two CTAs of them fit an SM): tile
+    n + 2 loads while tile n is computed, so a decoding CTA, whose one busy warp would
+    otherwise wait out HBM latency twice a tile, keeps 32-64 KB in flight; one stage
+    (the 100 KB SMs): V of tile n loads while S of tile n and its softmax run, K of tile
     n + 1 while P V of tile n runs;
   * the online softmax, masking, soft cap, sinks, epilogue stores and the split-KV
     merge are the shared pieces (`softmax`, `mask`, `epilogue`, `split_merge`): a split
@@ -62,6 +66,7 @@ class PodAttentionSm80(PodKernelBase):
         self.tile_m = cfg.tile_m_prefill
         self.tile_n = cfg.tile_n
         self.num_threads = cfg.num_threads
+        self.num_stages = cfg.num_stages
         assert self.tile_m == WARP_ROWS * self.num_threads // 32
 
     def _tiled_mmas(self):
@@ -108,7 +113,7 @@ class PodAttentionSm80(PodKernelBase):
         d = self.head_dim
         tiled_mma_qk, tiled_mma_pv = self._tiled_mmas()
         sQ_layout = tile_smem_layout(self.dtype, self.tile_m, d)
-        sKV_layout = tile_smem_layout(self.dtype, self.tile_n, d)
+        sKV_layout = tile_smem_layout(self.dtype, self.tile_n, d, stages=self.num_stages)
 
         @cute.struct
         class SharedStorage:
@@ -161,20 +166,21 @@ class PodAttentionSm80(PodKernelBase):
         sQ_layout: cute.ComposedLayout,
         sKV_layout: cute.ComposedLayout,
     ):
-        tile_n, d = self.tile_n, self.head_dim
+        tile_n, d, stages = self.tile_n, self.head_dim, self.num_stages
         tidx = cute.arch.thread_idx()[0]
         storage = utils.SmemAllocator().allocate(self.shared_storage)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
         sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
-        # V^T view (D, tile_n) of the row-major V tile: the B operand of P V.
-        sVt = cute.composition(sV, cute.make_ordered_layout((d, tile_n), order=(1, 0)))
+        # V^T view (D, tile_n, stage) of the row-major V stages: the B operand of P V.
+        sVt = cute.composition(
+            sV, cute.make_ordered_layout((d, tile_n, stages), order=(1, 0, 2)))
 
         thr_mma_qk = tiled_mma_qk.get_slice(tidx)
         thr_mma_pv = tiled_mma_pv.get_slice(tidx)
         tSrQ = thr_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sQ))
-        tSrK = thr_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sK))
-        tOrVt = thr_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sVt))
+        tSrK = thr_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sK[None, None, 0]))
+        tOrVt = thr_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sVt[None, None, 0]))
         ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4),
                                    self.dtype)
         ldsm_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4),
@@ -182,8 +188,9 @@ class PodAttentionSm80(PodKernelBase):
         copy_q = cute.make_tiled_copy_A(ldsm, tiled_mma_qk).get_slice(tidx)
         copy_k = cute.make_tiled_copy_B(ldsm, tiled_mma_qk).get_slice(tidx)
         copy_v = cute.make_tiled_copy_B(ldsm_t, tiled_mma_pv).get_slice(tidx)
-        gemm_qk = (copy_q, copy_q.partition_S(sQ), copy_q.retile(tSrQ),
-                   copy_k, copy_k.partition_S(sK), copy_k.retile(tSrK))
+        # (CPY, CPY_M/N, CPY_K, stage) views: the tile loop picks its stage.
+        tSsQ, tSrQ_copy = copy_q.partition_S(sQ), copy_q.retile(tSrQ)
+        tSsK, tSrK_copy = copy_k.partition_S(sK), copy_k.retile(tSrK)
         tOsVt = copy_v.partition_S(sVt)
         tOrVt_copy = copy_v.retile(tOrVt)
 
@@ -223,37 +230,69 @@ class PodAttentionSm80(PodKernelBase):
             softmax.reset()
             acc_O.fill(0.0)
             self.load_q(mQ, sQ, q_gather, item)
-            if n_min < n_max:
-                self.lookup_pages(pages, slots, kv_gather, mPageList, page_divisor, item, n_min)
-                self.load_kv(mK, mKRagged, sK, kv_gather, pages, slots, item)
-            cute.arch.cp_async_commit_group()
-            for n_block in cutlass.range(n_min, n_max, unroll=1):
-                # K of this tile (and Q) have landed; every warp is done with V's last tile.
-                cute.arch.cp_async_wait_group(0)
-                cute.arch.barrier()
-                self.load_kv(mV, mVRagged, sV, kv_gather, pages, slots, item)
-                cute.arch.cp_async_commit_group()
-                if n_block + 1 < n_max:
+            # Prologue: K (and with two stages V) of the first `stages` tiles; Q goes with
+            # the first. One commit group a tile, empty past n_max, so the wait in the
+            # loop counts the same on every path.
+            for s in cutlass.range_constexpr(stages):
+                if n_min + s < n_max:
                     self.lookup_pages(pages, slots, kv_gather, mPageList, page_divisor, item,
-                                      n_block + 1)
+                                      n_min + s)
+                    self.load_kv(mK, mKRagged, sK[None, None, s], kv_gather, pages, slots, item)
+                    if const_expr(stages > 1):
+                        self.load_kv(mV, mVRagged, sV[None, None, s], kv_gather, pages, slots,
+                                     item)
+                cute.arch.cp_async_commit_group()
+            if const_expr(stages > 1):
+                if n_min + stages < n_max:
+                    self.lookup_pages(pages, slots, kv_gather, mPageList, page_divisor, item,
+                                      n_min + stages)
+            for n_block in cutlass.range(n_min, n_max, unroll=1):
+                stage = (n_block - n_min) % stages if const_expr(stages > 1) else 0
+                # K (and V) of this tile (and Q) have landed; every warp is done with the
+                # stage the copies below refill.
+                cute.arch.cp_async_wait_group(stages - 1)
+                cute.arch.barrier()
+                if const_expr(stages == 1):
+                    self.load_kv(mV, mVRagged, sV[None, None, 0], kv_gather, pages, slots,
+                                 item)
+                    cute.arch.cp_async_commit_group()
+                    if n_block + 1 < n_max:
+                        self.lookup_pages(pages, slots, kv_gather, mPageList, page_divisor,
+                                          item, n_block + 1)
                 if busy:
                     acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
                     acc_S.fill(0.0)
-                    warp_gemm(tiled_mma_qk, acc_S, tSrQ, tSrK, *gemm_qk)
+                    warp_gemm(tiled_mma_qk, acc_S, tSrQ, tSrK, copy_q, tSsQ, tSrQ_copy,
+                              copy_k, tSsK[None, None, None, stage], tSrK_copy)
                     self.score_tile(acc_S, tScS, item, n_block, mask_from, mask_until,
                                     mParams, mIParams)
                     softmax.update(acc_S, row_scale)
                     rescale_rows(acc_O, row_scale)
                     rP.store(acc_S.load().to(self.dtype))
-                # V has landed; every warp is done with K.
-                cute.arch.cp_async_wait_group(0)
-                cute.arch.barrier()
-                if n_block + 1 < n_max:
-                    self.load_kv(mK, mKRagged, sK, kv_gather, pages, slots, item)
-                cute.arch.cp_async_commit_group()
+                if const_expr(stages == 1):
+                    # V has landed; every warp is done with K.
+                    cute.arch.cp_async_wait_group(0)
+                    cute.arch.barrier()
+                    if n_block + 1 < n_max:
+                        self.load_kv(mK, mKRagged, sK[None, None, 0], kv_gather, pages, slots,
+                                     item)
+                    cute.arch.cp_async_commit_group()
                 if busy:
                     warp_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt, None, None, None, copy_v,
-                              tOsVt, tOrVt_copy)
+                              tOsVt[None, None, None, stage], tOrVt_copy)
+                if const_expr(stages > 1):
+                    # Every warp is done with this stage: tile n_block + stages refills it,
+                    # and the pages of the tile after it are looked up (used a tile later).
+                    cute.arch.barrier()
+                    if n_block + stages < n_max:
+                        self.load_kv(mK, mKRagged, sK[None, None, stage], kv_gather, pages,
+                                     slots, item)
+                        self.load_kv(mV, mVRagged, sV[None, None, stage], kv_gather, pages,
+                                     slots, item)
+                    cute.arch.cp_async_commit_group()
+                    if n_block + stages + 1 < n_max:
+                        self.lookup_pages(pages, slots, kv_gather, mPageList, page_divisor,
+                                          item, n_block + stages + 1)
             self.epilogue(acc_O, softmax, tOcO, item, mO, mLSE, mSinks, mParams, mPartialO,
                           mPartialLSE, tidx)
             if item.split_slot >= 0:
