@@ -82,6 +82,7 @@ def test_two_kv_stages_where_two_ctas_of_them_fit():
             assert cfg.ctas_per_sm == 2, (arch, d)
             fits = 2 * (((64 + 4 * 64) * d * 2 + 1024) + CTA_RESERVED_SMEM) <= ARCH_SMEM[arch][0]
             assert cfg.num_stages == (2 if fits else 1), (arch, d, cfg.num_stages)
+            assert cfg.q_in_registers == (cfg.num_stages == 2)
     # D 128: 81 KB a CTA takes two stages on sm_80 (164 KB an SM) and sm_90, one on the
     # 100 KB SMs.
     assert [KernelConfig.select("bfloat16", 128, 4, arch=a).num_stages

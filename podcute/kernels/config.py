@@ -174,8 +174,11 @@ class KernelConfig:
         make an SS m64n64k16 wgmma read 4 KB of shared memory per 32 tensor-core cycles,
         the whole 128 B/clk an SM has, and the TMA writes and the converters' reads and
         writes (48 KB a tile) come on top; Q from registers takes 32 of the 160 KB a
-        64-token tile moves."""
-        return self.fp8
+        64-token tile moves. The two-stage warp-level kernel too (each warp loads its 16
+        rows' fragments at an item's first tile): every warp of it reads a tile's whole
+        K and V, so Q is 16 of the 176 KB of shared memory a 64-token tile costs a CTA,
+        and the registers it takes are those the two-stage loop freed."""
+        return self.fp8 or (self.warp_mma and self.num_stages > 1)
 
     @property
     def num_converters(self) -> int:

@@ -191,6 +191,10 @@ class PodAttentionSm80(PodKernelBase):
         # (CPY, CPY_M/N, CPY_K, stage) views: the tile loop picks its stage.
         tSsQ, tSrQ_copy = copy_q.partition_S(sQ), copy_q.retile(tSrQ)
         tSsK, tSrK_copy = copy_k.partition_S(sK), copy_k.retile(tSrK)
+        # Q's fragments: read per K block with K's (from shared memory every tile), or
+        # once per item into registers (`KernelConfig.q_in_registers`).
+        q_operand = (None, None, None) if const_expr(self.cfg.q_in_registers) else (
+            copy_q, tSsQ, tSrQ_copy)
         tOsVt = copy_v.partition_S(sVt)
         tOrVt_copy = copy_v.retile(tOrVt)
 
@@ -260,10 +264,13 @@ class PodAttentionSm80(PodKernelBase):
                         self.lookup_pages(pages, slots, kv_gather, mPageList, page_divisor,
                                           item, n_block + 1)
                 if busy:
+                    if const_expr(self.cfg.q_in_registers):
+                        if n_block == n_min:
+                            cute.copy(copy_q, tSsQ, tSrQ_copy)
                     acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
                     acc_S.fill(0.0)
-                    warp_gemm(tiled_mma_qk, acc_S, tSrQ, tSrK, copy_q, tSsQ, tSrQ_copy,
-                              copy_k, tSsK[None, None, None, stage], tSrK_copy)
+                    warp_gemm(tiled_mma_qk, acc_S, tSrQ, tSrK, *q_operand, copy_k,
+                              tSsK[None, None, None, stage], tSrK_copy)
                     self.score_tile(acc_S, tScS, item, n_block, mask_from, mask_until,
                                     mParams, mIParams)
                     softmax.update(acc_S, row_scale)
