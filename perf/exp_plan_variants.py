@@ -1,0 +1,75 @@
+"""Experiment (issue 13): how much the plan moves the fused time. The same batch planned
+with the cost model's default and with its prefill MMA efficiency set to 0.3-0.55 (the
+warp-level kernel's default is `CostModel.warp_mma_efficiency`), each timed in one
+process, the default twice (first and last: the run-to-run spread); outputs compared
+with the first plan's; "grouped" is the ninth session's regrouping (`exp_group_kinds`:
+even lists prefill items first, odd lists decode items first).
+
+    PODCUTE_ARCH=sm_90 python -m perf.exp_plan_variants [PAGE]
+"""
+import dataclasses
+import sys
+
+import torch
+
+from perf import workloads as W
+from perf.exp_group_kinds import regroup
+from perf.timing import time_gpu
+import podcute.plan as P
+from podcute import PODAttention
+from podcute.testing import make_batch
+
+
+def with_costs(eff=None, bw=None):
+    """CostModel.for_kernel with the prefill MMA efficiency / decode bandwidth replaced."""
+    def for_kernel(self, kernel):
+        m = ORIG_FOR_KERNEL(self, kernel)
+        if eff is not None:
+            m = dataclasses.replace(m, mma_efficiency=eff)
+        if bw is not None:
+            m = dataclasses.replace(m, decode_sm_bandwidth=bw)
+        return m
+    return for_kernel
+
+
+ORIG_FOR_KERNEL = P.CostModel.for_kernel
+VARIANTS = [("default", {}), ("grouped", {}), ("eff0.3", dict(eff=0.3)),
+            ("eff0.4", dict(eff=0.4)), ("eff0.45", dict(eff=0.45)), ("eff0.5", dict(eff=0.5)),
+            ("eff0.55", dict(eff=0.55)), ("default2", {})]
+SWEEP = [W.mixed(f"S{c}+{n}@{x}", [(c, c)], n, x) for c, n, x in
+         ((512, 64, 4096), (2048, 16, 16384), (8192, 256, 1024), (4096, 128, 4096),
+          (1024, 256, 4096))]
+
+
+def main(page: int) -> int:
+    for w in list(W.MAIN) + SWEEP:
+        if w.kind in ("decode", "prefill"):
+            continue
+        b = make_batch(w.q_lens, w.kv_lens, num_qo_heads=w.num_qo_heads,
+                       num_kv_heads=w.num_kv_heads, head_dim=w.head_dim, page_size=page,
+                       device="cuda", pool_factor=1.1, garbage=0.0)
+        ref, line = None, []
+        for name, kw in VARIANTS:
+            P.CostModel.for_kernel = with_costs(**kw)
+            try:
+                attn = PODAttention(w.num_qo_heads, w.num_kv_heads, w.head_dim, page,
+                                    device="cuda", max_batch_size=w.batch_size,
+                                    max_num_tokens=w.total_q)
+                attn.plan(b.cu_seqlens_q, b.seqused_k, block_table=b.block_table,
+                          causal=w.causal)
+            finally:
+                P.CostModel.for_kernel = ORIG_FOR_KERNEL
+            if name == "grouped":
+                regroup(attn)
+            out = torch.empty_like(b.q)
+            t = time_gpu(lambda i: attn.run(b.q, b.k_cache, b.v_cache, out=out), reps=30)
+            if ref is None:
+                ref = out.clone()
+            err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+            line.append(f"{name} {t.ms:.3f}" + ("" if err < 5e-3 else f" ERR {err:.1e}"))
+        print(w.name, f"p{page}", attn.arch, " | ".join(line), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(int(sys.argv[1]) if len(sys.argv) > 1 else 16))
