@@ -16,3 +16,16 @@ def _gpu_report(request):
     if report is not None and path:
         with open(path, "w") as f:
             json.dump(report, f, indent=1)
+
+
+@pytest.fixture
+def fp8_kernel():
+    """Skips a GPU test of fp8 KV caches when PODCUTE_ARCH forces the warp-level kernel
+    (e.g. sm_90, the portable kernel's H200 runs): it has no fp8 variant and refuses them
+    with a ValueError before any launch (tests/test_api.py checks that message)."""
+    from podcute.kernels.config import WARP_MMA_ARCHS
+    from podcute.launch import requested_arch
+
+    arch = requested_arch(None)
+    if arch in WARP_MMA_ARCHS:
+        pytest.skip(f"fp8 KV caches need the sm_90a kernel ({arch} forced)")

@@ -82,6 +82,7 @@ def test_contiguous_kv():
     check(out, lse, b)
 
 
+@pytest.mark.usefixtures("fp8_kernel")
 @pytest.mark.parametrize("per_head", [True, False])
 def test_fp8_cache_with_vllm_descales(per_head):
     """vLLM's FlashAttention-3 call over an fp8 cache: 16-bit queries, the cache viewed as

@@ -352,6 +352,7 @@ def check_fp8(name, out, ref):
     assert rel <= FP8_TOL, f"{name}: rel L2 {rel:.2e} > {FP8_TOL:.0e}"
 
 
+@pytest.mark.usefixtures("fp8_kernel")
 @pytest.mark.parametrize("per_head", [True, False])
 def test_batch_pod_fp8_cache(per_head):
     """One launch over an e4m3 pool; the scales apply to both sides (the same cache)."""
@@ -373,6 +374,7 @@ def test_batch_pod_fp8_cache(per_head):
     assert err <= 1e-2, f"BatchPOD fp8 LSE error {err:.2e}"
 
 
+@pytest.mark.usefixtures("fp8_kernel")
 def test_legacy_pod_fp8_decode_cache():
     """The older wrapper: the decode pool in e4m3 with float scales, the prefill's ragged
     K/V in bf16."""
@@ -400,6 +402,7 @@ def test_legacy_pod_fp8_decode_cache():
     check_fp8("legacy POD fp8 decode", out_d, ref_dec.reference(causal=True))
 
 
+@pytest.mark.usefixtures("fp8_kernel")
 def test_batch_attention_fp8_cache():
     b = mixed_batch(1, "NHD", seed=32)
     pool8, (ks, vs), ref_b = quantized_pool(b, per_head=True)
