@@ -349,8 +349,9 @@ class KernelConfig:
 
     def _can_implement_warp(self) -> tuple[bool, str]:
         """can_implement of the warp-level kernel: 4 warps of 16 rows over 64-token K/V
-        tiles, one shared-memory buffer each for Q, K and V (FlashAttention-2's order:
-        V loads under S, the next K under P V), page rows gathered by cp.async."""
+        tiles, a Q tile and 1 or 2 K/V stages (one: FlashAttention-2's order, V loads under
+        S and the next K under P V; two: tile n + 2 loads under tile n), page rows
+        gathered by cp.async."""
         if self.dtype not in SUPPORTED_DTYPES:
             return False, f"dtype {self.dtype} (supported: {SUPPORTED_DTYPES})"
         if self.fp8:
