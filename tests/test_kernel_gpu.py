@@ -172,6 +172,19 @@ def test_decode_handover_after_prefill(hq, hkv, page):
     check(f"handover {hq}/{hkv} p{page}", q_lens, kv_lens, hq=hq, hkv=hkv, page=page)
 
 
+@pytest.mark.parametrize("hq,hkv,q_lens", [(32, 2, [1, 1, 2, 1]), (16, 2, [2, 3, 1, 2]),
+                                           (4, 4, [16, 17, 15, 1])])
+@pytest.mark.parametrize("features", [{}, dict(window_size=(700, 0), sinks=True, d=64),
+                                      dict(softcap=20.0, sinks=True, d=96, page=1)])
+def test_items_around_16_rows(hq, hkv, q_lens, features):
+    """Items of at most 16 packed rows (GQA 16 x 1, 8 x 2, 1 x 16) split every KV tile over
+    the warps by keys in the warp-level kernel and fold the warps at the end; 17 rows and up
+    keep rows on warps. Both sides of the boundary, KV long enough for split-KV merges and
+    short enough to leave warps without a key, with and without a window, sinks, soft cap."""
+    check(f"16 rows {hq}/{hkv} {q_lens} {features}", q_lens, [30000, 700, 5000, 40],
+          hq=hq, hkv=hkv, **features)
+
+
 def test_kv_len_without_queries_attend_nothing():
     # Non-causal rows of a request with kv_len 0 see no key: output 0, LSE -inf.
     check("kv0", [3, 2], [0, 50], causal=False)

@@ -21,10 +21,15 @@ CTA = 4 warps (FlashAttention-2's structure), each warp owning 16 of the item's 
     merge are the shared pieces (`softmax`, `mask`, `epilogue`, `split_merge`): a split
     piece writes fp32 partials and the CTA finishing a group's last piece merges it, in
     the launch.
-Prefill and decode items run the same loop here (a decode item's rows fill the first
-warps; the others only copy K/V tiles for them).
+Items of at most 16 rows (decode items) split each tile by keys instead: warp w takes
+keys [16 w, 16 w + 16) with all the rows, keeps its own online softmax and O, and the
+warps fold into warp 0 at the end (`combine.fold_warps`, through the K stages). With the
+rows on one warp, a decoding CTA's MMAs ran on one warp and bounded it to about half the
+HBM share of an SM whose other CTA is in prefill. Items of 17-64 rows keep the rows
+split: a warp whose rows all lie past the item's only copies.
 """
 
+from dataclasses import dataclass
 from typing import Optional
 
 import cuda.bindings.driver as cuda
@@ -37,12 +42,14 @@ from cutlass.cute.nvgpu import warp
 
 from podcute import layouts
 from podcute.kernels.barriers import NamedBarrier
+from podcute.kernels.combine import fold_warps
 from podcute.kernels.config import KernelConfig
 from podcute.kernels.dtypes import DTYPES
 from podcute.kernels.epilogue import store_fragments, store_lse, store_partial
 from podcute.kernels.gather import RowGather
 from podcute.kernels.metadata import IParam, Param
 from podcute.kernels.pod_kernel import PodKernelBase
+from podcute.kernels.ptx import kept_in_loop
 from podcute.kernels.mma_utils import acc_as_operand_a_layout, rows_cols_view, warp_gemm
 from podcute.kernels.softmax import LOG2_E, OnlineSoftmax, rescale_rows, softcap_scores
 from podcute.kernels.smem import tile_smem_layout
@@ -51,6 +58,51 @@ from podcute.kernels.visibility import left_mask_until
 from podcute.kernels.work import WorkItem
 
 WARP_ROWS = 16  # rows of one warp: one m16 mma.sync
+
+
+@dataclass(frozen=True)
+class WarpFragments:
+    """One thread's side of both GEMMs: the tiled MMAs, the ldmatrix copies with their
+    shared-memory sources and register destinations, the MMA fragments, S's coordinates,
+    O and P."""
+
+    tiled_mma_qk: cute.TiledMma
+    tiled_mma_pv: cute.TiledMma
+    copy_q: cute.ThrCopy
+    copy_k: cute.ThrCopy
+    copy_v: cute.ThrCopy
+    tSrQ: cute.Tensor
+    tSsQ: cute.Tensor
+    tSrQ_copy: cute.Tensor
+    tSrK: cute.Tensor
+    tSsK: cute.Tensor  # (CPY, CPY_N, CPY_K, stage)
+    tSrK_copy: cute.Tensor
+    tOrVt: cute.Tensor
+    tOsVt: cute.Tensor  # (CPY, CPY_N, CPY_K, stage)
+    tOrVt_copy: cute.Tensor
+    tScS: cute.Tensor
+    acc_O: cute.Tensor
+    rP: cute.Tensor
+    tOrP: cute.Tensor
+
+
+@dataclass(frozen=True)
+class KvSource:
+    """Where K/V tiles come from and go: the cache (and the ragged source), the shared
+    stages, the page table, and this thread's gathered rows' (page, slot) of the next tile
+    to copy."""
+
+    mK: cute.Tensor
+    mV: cute.Tensor
+    mKRagged: Optional[cute.Tensor]
+    mVRagged: Optional[cute.Tensor]
+    sK: cute.Tensor  # (tile_n, D, stage)
+    sV: cute.Tensor
+    mPageList: cute.Tensor
+    gather: RowGather
+    page_divisor: layouts.PageShift
+    pages: cute.Tensor
+    slots: cute.Tensor
 
 
 class PodAttentionSm80(PodKernelBase):
@@ -79,6 +131,32 @@ class PodAttentionSm80(PodKernelBase):
         tiled_mma_pv = cute.make_tiled_mma(atom, (warps, 1, 1),
                                            permutation_mnk=(warps * 16, 16, 16))
         return tiled_mma_qk, tiled_mma_pv
+
+    def _one_warp_mma(self):
+        """One warp's m16 x n16 MMA (the split items' GEMMs): its C fragment of 16 x D is
+        laid out as each warp's 16 rows of `_tiled_mmas`'s (the same atom, the same N
+        steps), so a split item's O lives in `acc_O` and warp 0's is the item's rows."""
+        atom = warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16))
+        return cute.make_tiled_mma(atom, (1, 1, 1), permutation_mnk=(16, 16, 16))
+
+    def _ldsm(self, transpose: bool):
+        return cute.make_copy_atom(
+            warp.LdMatrix8x8x16bOp(transpose=transpose, num_matrices=4), self.dtype)
+
+    @property
+    def scratch_rounds(self) -> int:
+        """Chunks of O in which a split item's warps fold: as few as the K stages hold."""
+        kv_floats = self.num_stages * self.tile_n * self.head_dim // 2
+        values = WARP_ROWS * self.head_dim // 32  # O values of a thread's 16-row block
+        for rounds in (1, 2, 4):
+            if (values // rounds + 4) * self.num_threads <= kv_floats:
+                return rounds
+        raise AssertionError("the K stages cannot hold a quarter of a warp's O")
+
+    @property
+    def scratch_values(self) -> int:
+        """fp32 values per thread column of the fold scratch (`combine.scratch_values`)."""
+        return WARP_ROWS * self.head_dim // 32 // self.scratch_rounds + 4
 
     @cute.jit
     def __call__(
@@ -172,41 +250,21 @@ class PodAttentionSm80(PodKernelBase):
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
         sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        # The K stages, free at the end of an item, hold the fold of a split item's warps.
+        sScratch = cute.make_tensor(
+            cute.recast_ptr(storage.sK.data_ptr(), dtype=Float32),
+            cute.make_layout((self.scratch_values, self.num_threads),
+                             stride=(self.num_threads, 1)))
         # V^T view (D, tile_n, stage) of the row-major V stages: the B operand of P V.
         sVt = cute.composition(
             sV, cute.make_ordered_layout((d, tile_n, stages), order=(1, 0, 2)))
 
-        thr_mma_qk = tiled_mma_qk.get_slice(tidx)
         thr_mma_pv = tiled_mma_pv.get_slice(tidx)
-        tSrQ = thr_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sQ))
-        tSrK = thr_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sK[None, None, 0]))
-        tOrVt = thr_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sVt[None, None, 0]))
-        ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4),
-                                   self.dtype)
-        ldsm_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4),
-                                     self.dtype)
-        copy_q = cute.make_tiled_copy_A(ldsm, tiled_mma_qk).get_slice(tidx)
-        copy_k = cute.make_tiled_copy_B(ldsm, tiled_mma_qk).get_slice(tidx)
-        copy_v = cute.make_tiled_copy_B(ldsm_t, tiled_mma_pv).get_slice(tidx)
-        # (CPY, CPY_M/N, CPY_K, stage) views: the tile loop picks its stage.
-        tSsQ, tSrQ_copy = copy_q.partition_S(sQ), copy_q.retile(tSrQ)
-        tSsK, tSrK_copy = copy_k.partition_S(sK), copy_k.retile(tSrK)
-        # Q's fragments: read per K block with K's (from shared memory every tile), or
-        # once per item into registers (`KernelConfig.q_in_registers`).
-        q_operand = (None, None, None) if const_expr(self.cfg.q_in_registers) else (
-            copy_q, tSsQ, tSrQ_copy)
-        tOsVt = copy_v.partition_S(sVt)
-        tOrVt_copy = copy_v.retile(tOrVt)
-
-        acc_shape_S = thr_mma_qk.partition_shape_C((self.tile_m, tile_n))
         acc_O = cute.make_rmem_tensor(thr_mma_pv.partition_shape_C((self.tile_m, d)), Float32)
-        tScS = thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, tile_n)))
         tOcO = thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, d)))
         softmax = OnlineSoftmax.create(cute.size(rows_cols_view(acc_O), mode=[0]),
                                        mParams[self.logit_param] * LOG2_E)
         row_scale = cute.make_rmem_tensor_like(softmax.row_max, Float32)
-        rP = cute.make_rmem_tensor(acc_shape_S, self.dtype)
-        tOrP = cute.make_tensor(rP.iterator, acc_as_operand_a_layout(rP.layout))
 
         q_gather = RowGather.create(self.dtype, self.tile_m, d, self.num_threads, tidx)
         kv_gather = RowGather.create(self.dtype, tile_n, d, self.num_threads, tidx)
@@ -215,6 +273,8 @@ class PodAttentionSm80(PodKernelBase):
         # ahead (the page-table load's latency hides under the tile's S GEMM).
         pages = cute.make_rmem_tensor(kv_gather.rows_per_thread, Int32)
         slots = cute.make_rmem_tensor(kv_gather.rows_per_thread, Int32)
+        kv = KvSource(mK, mV, mKRagged, mVRagged, sK, sV, mPageList, kv_gather, page_divisor,
+                      pages, slots)
 
         warp_id = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         cta = cute.arch.block_idx()[0]
@@ -227,10 +287,11 @@ class PodAttentionSm80(PodKernelBase):
                 mask_until = left_mask_until(
                     item.kv_len, item.q_len, item.row_end, self.group,
                     mIParams[IParam.WINDOW_LEFT], tile_n)
-            # A warp whose 16 rows all lie past the item's (a decode item's 1-16 rows fill
-            # the first warp) only copies: its MMAs would repeat the last row, and their
+            n_rows = item.row_end - item.row_start
+            # A warp whose rows all lie past the item's (a decode item's 1-16 rows fill the
+            # first warp) only copies: its MMAs would repeat the last row, and their
             # ldmatrix reads take shared-memory bandwidth from the SM's other CTA.
-            busy = warp_id * WARP_ROWS < item.row_end - item.row_start
+            busy = warp_id * WARP_ROWS < n_rows
             softmax.reset()
             acc_O.fill(0.0)
             self.load_q(mQ, sQ, q_gather, item)
@@ -239,67 +300,22 @@ class PodAttentionSm80(PodKernelBase):
             # loop counts the same on every path.
             for s in cutlass.range_constexpr(stages):
                 if n_min + s < n_max:
-                    self.lookup_pages(pages, slots, kv_gather, mPageList, page_divisor, item,
-                                      n_min + s)
-                    self.load_kv(mK, mKRagged, sK[None, None, s], kv_gather, pages, slots, item)
-                    if const_expr(stages > 1):
-                        self.load_kv(mV, mVRagged, sV[None, None, s], kv_gather, pages, slots,
-                                     item)
+                    self.lookup_pages(kv, item, n_min + s)
+                    self.load_kv(kv, item, s, load_k=True, load_v=stages > 1)
                 cute.arch.cp_async_commit_group()
             if const_expr(stages > 1):
                 if n_min + stages < n_max:
-                    self.lookup_pages(pages, slots, kv_gather, mPageList, page_divisor, item,
-                                      n_min + stages)
-            for n_block in cutlass.range(n_min, n_max, unroll=1):
-                stage = (n_block - n_min) % stages if const_expr(stages > 1) else 0
-                # K (and V) of this tile (and Q) have landed; every warp is done with the
-                # stage the copies below refill.
-                cute.arch.cp_async_wait_group(stages - 1)
-                cute.arch.barrier()
-                if const_expr(stages == 1):
-                    self.load_kv(mV, mVRagged, sV[None, None, 0], kv_gather, pages, slots,
-                                 item)
-                    cute.arch.cp_async_commit_group()
-                    if n_block + 1 < n_max:
-                        self.lookup_pages(pages, slots, kv_gather, mPageList, page_divisor,
-                                          item, n_block + 1)
-                if busy:
-                    if const_expr(self.cfg.q_in_registers):
-                        if n_block == n_min:
-                            cute.copy(copy_q, tSsQ, tSrQ_copy)
-                    acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
-                    acc_S.fill(0.0)
-                    warp_gemm(tiled_mma_qk, acc_S, tSrQ, tSrK, *q_operand, copy_k,
-                              tSsK[None, None, None, stage], tSrK_copy)
-                    self.score_tile(acc_S, tScS, item, n_block, mask_from, mask_until,
-                                    mParams, mIParams)
-                    softmax.update(acc_S, row_scale)
-                    rescale_rows(acc_O, row_scale)
-                    rP.store(acc_S.load().to(self.dtype))
-                if const_expr(stages == 1):
-                    # V has landed; every warp is done with K.
-                    cute.arch.cp_async_wait_group(0)
-                    cute.arch.barrier()
-                    if n_block + 1 < n_max:
-                        self.load_kv(mK, mKRagged, sK[None, None, 0], kv_gather, pages, slots,
-                                     item)
-                    cute.arch.cp_async_commit_group()
-                if busy:
-                    warp_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt, None, None, None, copy_v,
-                              tOsVt[None, None, None, stage], tOrVt_copy)
-                if const_expr(stages > 1):
-                    # Every warp is done with this stage: tile n_block + stages refills it,
-                    # and the pages of the tile after it are looked up (used a tile later).
-                    cute.arch.barrier()
-                    if n_block + stages < n_max:
-                        self.load_kv(mK, mKRagged, sK[None, None, stage], kv_gather, pages,
-                                     slots, item)
-                        self.load_kv(mV, mVRagged, sV[None, None, stage], kv_gather, pages,
-                                     slots, item)
-                    cute.arch.cp_async_commit_group()
-                    if n_block + stages + 1 < n_max:
-                        self.lookup_pages(pages, slots, kv_gather, mPageList, page_divisor,
-                                          item, n_block + stages + 1)
+                    self.lookup_pages(kv, item, n_min + stages)
+            tile_args = (tiled_mma_qk, tiled_mma_pv, sQ, sVt, acc_O, tidx, softmax, row_scale,
+                         kv, item, n_min, n_max, mask_from, mask_until, busy, mParams, mIParams)
+            if n_rows <= WARP_ROWS:
+                # Decode items (and any item of at most 16 rows): every warp takes 16 keys
+                # of each tile with all of the rows, and the warps fold at the end.
+                self.attend_split(acc_O, softmax, row_scale, kv, item, n_min, n_max,
+                                  mask_from, mask_until, mParams, mIParams, sQ, sVt, sScratch,
+                                  tidx, warp_id)
+            else:
+                self.attend(*tile_args)
             self.epilogue(acc_O, softmax, tOcO, item, mO, mLSE, mSinks, mParams, mPartialO,
                           mPartialLSE, tidx)
             if item.split_slot >= 0:
@@ -310,6 +326,172 @@ class PodAttentionSm80(PodKernelBase):
             # next item's copies overwrite them.
             cute.arch.cp_async_wait_group(0)
             cute.arch.barrier()
+
+    @cute.jit
+    def attend_split(self, acc_O: cute.Tensor, softmax: OnlineSoftmax,
+                     row_scale: cute.Tensor, kv: "KvSource", item: WorkItem, n_min: Int32,
+                     n_max: Int32, mask_from: Int32, mask_until: Int32, mParams: cute.Tensor,
+                     mIParams: cute.Tensor, sQ: cute.Tensor, sVt: cute.Tensor,
+                     sScratch: cute.Tensor, tidx: Int32, warp_id: Int32):
+        """An item of at most 16 rows, split over the warps by keys: warp w takes keys
+        [16 w, 16 w + 16) of every tile with all the rows (one m16 M block), keeping its own
+        online softmax and O (in `acc_O`: `_one_warp_mma`), and at the end warps 1-3 fold
+        into warp 0 (`combine.fold_warps`), whose rows the epilogue stores. A decode
+        item's one warp of MMAs would otherwise bound its CTA to about a tile per 1.3 us:
+        less than the HBM share of an SM whose other CTA is in prefill."""
+        stages, d = self.num_stages, self.head_dim
+        # (addresses from a volatile lane: computed here, not held through the other paths)
+        lane = kept_in_loop(tidx % 32)
+        tiled_mma = self._one_warp_mma()
+        thr_mma = tiled_mma.get_slice(lane)
+        copy_q = cute.make_tiled_copy_A(self._ldsm(False), tiled_mma).get_slice(lane)
+        copy_k = cute.make_tiled_copy_B(self._ldsm(False), tiled_mma).get_slice(lane)
+        copy_v = cute.make_tiled_copy_B(self._ldsm(True), tiled_mma).get_slice(lane)
+        sQ_rows = cute.local_tile(sQ, (WARP_ROWS, d), (0, 0))
+        tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ_rows))
+        sK_keys = cute.local_tile(kv.sK[None, None, 0], (WARP_ROWS, d), (warp_id, 0))
+        sVt_keys = cute.local_tile(sVt[None, None, 0], (d, WARP_ROWS), (0, warp_id))
+        tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK_keys))
+        tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sVt_keys))
+        acc_shape_S = thr_mma.partition_shape_C((WARP_ROWS, WARP_ROWS))
+        tScS = thr_mma.partition_C(cute.make_identity_tensor((WARP_ROWS, WARP_ROWS)))
+        rP = cute.make_rmem_tensor(acc_shape_S, self.dtype)
+        tOrP = cute.make_tensor(rP.iterator, acc_as_operand_a_layout(rP.layout))
+        assert acc_O.shape == thr_mma.partition_shape_C((WARP_ROWS, d))
+        for n_block in cutlass.range(n_min, n_max, unroll=1):
+            stage = self.tile_arrived(kv, item, n_block, n_min, n_max)
+            sK_keys = cute.local_tile(kv.sK[None, None, stage], (WARP_ROWS, d), (warp_id, 0))
+            acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
+            acc_S.fill(0.0)
+            # (Q's fragments from shared memory with K's: held in registers they would
+            # take 32 of the registers the variant's other paths leave this one)
+            warp_gemm(tiled_mma, acc_S, tSrQ, tSrK, copy_q, copy_q.partition_S(sQ_rows),
+                      copy_q.retile(tSrQ), copy_k,
+                      copy_k.partition_S(sK_keys), copy_k.retile(tSrK))
+            self.score_tile(acc_S, tScS, item, n_block, mask_from, mask_until, mParams,
+                            mIParams, col_offset=warp_id * WARP_ROWS)
+            softmax.update(acc_S, row_scale)
+            rescale_rows(acc_O, row_scale)
+            rP.store(acc_S.load().to(self.dtype))
+            self.scores_done(kv, item, n_block, n_max)
+            sVt_keys = cute.local_tile(sVt[None, None, stage], (d, WARP_ROWS), (0, warp_id))
+            warp_gemm(tiled_mma, acc_O, tOrP, tOrVt, None, None, None, copy_v,
+                      copy_v.partition_S(sVt_keys), copy_v.retile(tOrVt))
+            self.tile_done(kv, item, n_block, n_max, stage)
+        # Every warp is done with the K stages (and no copy into them is in flight: the
+        # loop issues none past n_max), which now take the warps' states.
+        cute.arch.barrier()
+        fold_warps(softmax, rows_cols_view(acc_O), sScratch, tidx, self.scratch_rounds,
+                   NamedBarrier.MMA, warps=self.num_threads // 32)
+
+    @cute.jit
+    def warp_fragments(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
+                       sQ: cute.Tensor, sK: cute.Tensor, sVt: cute.Tensor,
+                       acc_O: cute.Tensor, tidx: Int32) -> WarpFragments:
+        """Thread tidx's side of both GEMMs over the CTA's tiles."""
+        thr_mma_qk = tiled_mma_qk.get_slice(tidx)
+        thr_mma_pv = tiled_mma_pv.get_slice(tidx)
+        copy_q = cute.make_tiled_copy_A(self._ldsm(False), tiled_mma_qk).get_slice(tidx)
+        copy_k = cute.make_tiled_copy_B(self._ldsm(False), tiled_mma_qk).get_slice(tidx)
+        copy_v = cute.make_tiled_copy_B(self._ldsm(True), tiled_mma_pv).get_slice(tidx)
+        tSrQ = thr_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sQ))
+        tSrK = thr_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sK[None, None, 0]))
+        tOrVt = thr_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sVt[None, None, 0]))
+        rP = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C((self.tile_m, self.tile_n)),
+                                   self.dtype)
+        return WarpFragments(
+            tiled_mma_qk, tiled_mma_pv, copy_q, copy_k, copy_v,
+            # (CPY, CPY_M/N, CPY_K, stage) views: the tile loop picks its stage.
+            tSrQ, copy_q.partition_S(sQ), copy_q.retile(tSrQ),
+            tSrK, copy_k.partition_S(sK), copy_k.retile(tSrK),
+            tOrVt, copy_v.partition_S(sVt), copy_v.retile(tOrVt),
+            thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))),
+            acc_O, rP, cute.make_tensor(rP.iterator, acc_as_operand_a_layout(rP.layout)),
+        )
+
+    @cute.jit
+    def attend(self, tiled_mma_qk: cute.TiledMma,
+               tiled_mma_pv: cute.TiledMma, sQ: cute.Tensor, sVt: cute.Tensor,
+               acc_O: cute.Tensor, tidx: Int32, softmax: OnlineSoftmax,
+               row_scale: cute.Tensor, kv: "KvSource", item: WorkItem, n_min: Int32,
+               n_max: Int32, mask_from: Int32, mask_until: Int32, busy,
+               mParams: cute.Tensor, mIParams: cute.Tensor):
+        """The item's KV tiles n_min..n_max (their first `stages` already in flight): S,
+        the online softmax and O += P V, each warp over its 16 rows, and the copies of the
+        tiles after them."""
+        stages = self.num_stages
+        # (addresses from a volatile tidx: computed here, not held through the other paths)
+        f = self.warp_fragments(tiled_mma_qk, tiled_mma_pv, sQ, kv.sK, sVt, acc_O,
+                                kept_in_loop(tidx))
+        for n_block in cutlass.range(n_min, n_max, unroll=1):
+            stage = self.tile_arrived(kv, item, n_block, n_min, n_max)
+            if busy:
+                # Q's fragments: read per K block with K's (from shared memory every tile),
+                # or once per item into registers (`KernelConfig.q_in_registers`).
+                q_operand = (None, None, None)
+                if const_expr(self.cfg.q_in_registers):
+                    if n_block == n_min:
+                        cute.copy(f.copy_q, f.tSsQ, f.tSrQ_copy)
+                else:
+                    q_operand = (f.copy_q, f.tSsQ, f.tSrQ_copy)
+                acc_S = cute.make_rmem_tensor(f.rP.shape, Float32)
+                acc_S.fill(0.0)
+                warp_gemm(f.tiled_mma_qk, acc_S, f.tSrQ, f.tSrK, *q_operand, f.copy_k,
+                          f.tSsK[None, None, None, stage], f.tSrK_copy)
+                self.score_tile(acc_S, f.tScS, item, n_block, mask_from, mask_until,
+                                mParams, mIParams)
+                softmax.update(acc_S, row_scale)
+                rescale_rows(f.acc_O, row_scale)
+                f.rP.store(acc_S.load().to(self.dtype))
+            self.scores_done(kv, item, n_block, n_max)
+            if busy:
+                warp_gemm(f.tiled_mma_pv, f.acc_O, f.tOrP, f.tOrVt, None, None, None, f.copy_v,
+                          f.tOsVt[None, None, None, stage], f.tOrVt_copy)
+            self.tile_done(kv, item, n_block, n_max, stage)
+
+    # ---- the K/V pipeline (both tile loops) -------------------------------------------
+
+    @cute.jit
+    def tile_arrived(self, kv: "KvSource", item: WorkItem, n_block: Int32, n_min: Int32,
+                     n_max: Int32):
+        """Wait until K (and V) of tile n_block (and Q) have landed and every warp is done
+        with the stage the copies after it refill; with one stage V's copy goes out now
+        (under S and the softmax) and the next tile's pages are looked up. Returns the
+        tile's stage."""
+        stages = self.num_stages
+        cute.arch.cp_async_wait_group(stages - 1)
+        cute.arch.barrier()
+        if const_expr(stages == 1):
+            self.load_kv(kv, item, 0, load_k=False, load_v=True)
+            cute.arch.cp_async_commit_group()
+            if n_block + 1 < n_max:
+                self.lookup_pages(kv, item, n_block + 1)
+        return (n_block - n_min) % stages if const_expr(stages > 1) else 0
+
+    @cute.jit
+    def scores_done(self, kv: "KvSource", item: WorkItem, n_block: Int32, n_max: Int32):
+        """One stage: V has landed and every warp is done with K, whose next tile's copy
+        goes out now (under P V)."""
+        if const_expr(self.num_stages == 1):
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.barrier()
+            if n_block + 1 < n_max:
+                self.load_kv(kv, item, 0, load_k=True, load_v=False)
+            cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def tile_done(self, kv: "KvSource", item: WorkItem, n_block: Int32, n_max: Int32,
+                  stage):
+        """Two stages: every warp is done with this stage; tile n_block + stages refills it,
+        and the pages of the tile after it are looked up (used a tile later)."""
+        stages = self.num_stages
+        if const_expr(stages > 1):
+            cute.arch.barrier()
+            if n_block + stages < n_max:
+                self.load_kv(kv, item, stage, load_k=True, load_v=True)
+            cute.arch.cp_async_commit_group()
+            if n_block + stages + 1 < n_max:
+                self.lookup_pages(kv, item, n_block + stages + 1)
 
     # ---- copies -----------------------------------------------------------------------
 
@@ -323,40 +505,51 @@ class PodAttentionSm80(PodKernelBase):
             sQ, lambda m, r: mQ_rows[cutlass.min(item.row_start + r, last_row), None])
 
     @cute.jit
-    def lookup_pages(self, pages: cute.Tensor, slots: cute.Tensor, kv_gather: RowGather,
-                     mPageList: cute.Tensor, page_divisor, item: WorkItem, n_block: Int32):
+    def lookup_pages(self, kv: "KvSource", item: WorkItem, n_block: Int32):
         """(page, slot) of each K/V row this thread copies for tile n_block; tokens past
         kv_end clamp to the item's last (layouts.clamp_token: no page-table entry past
         the request's pages is read, and those rows hold finite values that the mask and
         P = 0 discard)."""
         ragged = item.reads_ragged(self.cfg.ragged_kv)
-        for m in cutlass.range_constexpr(kv_gather.rows_per_thread):
-            token = layouts.clamp_token(n_block * self.tile_n, kv_gather.row(m), item.kv_end)
-            page, slot = layouts.kv_locate(mPageList, item.page_start, token, page_divisor)
-            pages[m], slots[m] = layouts.ragged_locate(page, slot, token, ragged)
+        for m in cutlass.range_constexpr(kv.gather.rows_per_thread):
+            token = layouts.clamp_token(n_block * self.tile_n, kv.gather.row(m), item.kv_end)
+            page, slot = layouts.kv_locate(kv.mPageList, item.page_start, token,
+                                           kv.page_divisor)
+            kv.pages[m], kv.slots[m] = layouts.ragged_locate(page, slot, token, ragged)
 
     @cute.jit
-    def load_kv(self, mKV: cute.Tensor, mKVRagged: Optional[cute.Tensor], sX: cute.Tensor,
-                kv_gather: RowGather, pages: cute.Tensor, slots: cute.Tensor, item: WorkItem):
-        """cp.async of one K or V tile from the looked-up rows (of the cache, or of the
-        ragged source for its request)."""
+    def load_kv(self, kv: "KvSource", item: WorkItem, stage, load_k: cutlass.Constexpr[bool],
+                load_v: cutlass.Constexpr[bool]):
+        """cp.async of the looked-up rows of K and/or V into K/V stage `stage`."""
+        if const_expr(load_k):
+            self.copy_kv_tile(kv.mK, kv.mKRagged, kv.sK[None, None, stage], kv, item)
+        if const_expr(load_v):
+            self.copy_kv_tile(kv.mV, kv.mVRagged, kv.sV[None, None, stage], kv, item)
+
+    @cute.jit
+    def copy_kv_tile(self, mKV: cute.Tensor, mKVRagged: Optional[cute.Tensor],
+                     sX: cute.Tensor, kv: "KvSource", item: WorkItem):
+        """One K or V tile from the looked-up rows (of the cache, or of the ragged source
+        for its request)."""
         ragged = item.reads_ragged(self.cfg.ragged_kv)
-        kv_gather.copy_rows(
-            sX, lambda m, r: layouts.kv_row_in(mKV, mKVRagged, ragged, pages[m], slots[m],
-                                               item.kv_head))
+        kv.gather.copy_rows(
+            sX, lambda m, r: layouts.kv_row_in(mKV, mKVRagged, ragged, kv.pages[m],
+                                               kv.slots[m], item.kv_head))
 
     # ---- scores -----------------------------------------------------------------------
 
     @cute.jit
     def score_tile(self, acc_S: cute.Tensor, tScS: cute.Tensor, item: WorkItem, n_block: Int32,
                    mask_from: Int32, mask_until: Int32, mParams: cute.Tensor,
-                   mIParams: cute.Tensor):
-        """Scores of KV tile n_block before the softmax: soft-capped (a variant's flag),
-        then masked on the tiles that hold a key some row must not see."""
+                   mIParams: cute.Tensor, col_offset=0):
+        """Scores of KV tile n_block (its columns from `col_offset`) before the softmax:
+        soft-capped (a variant's flag), then masked on the tiles that hold a key some row
+        must not see."""
         if const_expr(self.cfg.softcap):
             softcap_scores(acc_S, mParams[Param.SOFTCAP_SCALE])
         if self.needs_mask(n_block, mask_from, mask_until):
-            self.mask_scores(acc_S, tScS, item, 0, n_block * self.tile_n, mIParams)
+            self.mask_scores(acc_S, tScS, item, 0, n_block * self.tile_n + col_offset,
+                             mIParams)
 
     # ---- epilogue ---------------------------------------------------------------------
 

@@ -44,6 +44,7 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
 from podcute import layouts
 from podcute.kernels.barriers import NamedBarrier
+from podcute.kernels.combine import fold_state, fold_warps, stash_state
 from podcute.kernels.config import WARPGROUP_THREADS, KernelConfig
 from podcute.kernels.decode_fp8 import ITEM_ROWS, WARP_KV_ROWS, Fp8WarpDecode
 from podcute.kernels.dequant import Dequant, q_fragment_to_fp16
@@ -1302,86 +1303,25 @@ class PodAttentionSm90(PodKernelBase):
             if wg == 1:
                 state = stage(use + 1, 1, producer=True)
                 pipeline_combine.producer_acquire(state)
-                self.stash_state(sScratch, tidx, softmax, acc_O_mn, j, cols)
+                stash_state(sScratch, tidx, softmax, acc_O_mn, j, cols)
                 pipeline_combine.producer_commit(state)
             else:
                 # Done with the previous use and every O staging since (or, before the
                 # first use, every O staging of the list's earlier items).
                 pipeline_combine.consumer_release(stage(use, 1))
                 pipeline_combine.consumer_wait(stage(use, 1))
-                self.fold_state(sScratch, tidx, softmax, acc_O_mn, j, cols, scale_self,
-                                scale_other)
-
-    @cute.jit
-    def stash_state(self, sScratch: cute.Tensor, col: Int32, softmax: OnlineSoftmax,
-                    acc_O_mn: cute.Tensor, j: cutlass.Constexpr[int],
-                    cols: cutlass.Constexpr[int]):
-        """Scratch column `col` <- this thread's O values of column chunk j (`cols` wide)
-        and, with j == 0, its row maxima and partial row sums after them. One fp32 column
-        per thread: the thread that folds it reads the same positions, without bank
-        conflicts."""
-        n_r = cute.size(acc_O_mn, mode=[0])
-        stats = cols * n_r
-        for r in cutlass.range_constexpr(n_r):
-            for c in cutlass.range_constexpr(cols):
-                sScratch[r * cols + c, col] = acc_O_mn[r, j * cols + c]
-        if const_expr(j == 0):
-            for r in cutlass.range_constexpr(n_r):
-                sScratch[stats + r, col] = softmax.row_max[r]
-                sScratch[stats + n_r + r, col] = softmax.row_sum[r]
-
-    @cute.jit
-    def fold_state(self, sScratch: cute.Tensor, col: Int32, softmax: OnlineSoftmax,
-                   acc_O_mn: cute.Tensor, j: cutlass.Constexpr[int],
-                   cols: cutlass.Constexpr[int], scale_self: cute.Tensor,
-                   scale_other: cute.Tensor):
-        """Fold the state `stash_state` left in scratch column `col` (same rows, other
-        keys) into this thread's: with j == 0 the row statistics, which set the factors
-        `scale_self` / `scale_other` every chunk of the state uses."""
-        n_r = cute.size(acc_O_mn, mode=[0])
-        stats = cols * n_r
-        if const_expr(j == 0):
-            other_max = cute.make_rmem_tensor_like(softmax.row_max, Float32)
-            other_sum = cute.make_rmem_tensor_like(softmax.row_sum, Float32)
-            for r in cutlass.range_constexpr(n_r):
-                other_max[r] = sScratch[stats + r, col]
-                other_sum[r] = sScratch[stats + n_r + r, col]
-            s_self, s_other = softmax.merge(other_max, other_sum)
-            scale_self.store(s_self.load())
-            scale_other.store(s_other.load())
-        for r in cutlass.range_constexpr(n_r):
-            for c in cutlass.range_constexpr(cols):
-                acc_O_mn[r, j * cols + c] = (acc_O_mn[r, j * cols + c] * scale_self[r]
-                                             + sScratch[r * cols + c, col] * scale_other[r])
-
-    # ---- fp8 decode items on warp-level MMAs (kernels/decode_fp8.py) --------------------
+                fold_state(sScratch, tidx, softmax, acc_O_mn, j, cols, scale_self,
+                           scale_other)
 
     @cute.jit
     def fold_warps(self, softmax: OnlineSoftmax, acc_O: cute.Tensor, sScratch: cute.Tensor,
                    tidx: Int32):
         """Warpgroup 0 after the combine of a warp-level decode item: warps 1-3 hand their
         states to warp 0 through the scratch (which warpgroup 0 holds from the combine's
-        wait until its next release), each thread in its own column, in the combine's
-        `combine_rounds` column chunks; warp 0 folds them in warp order (the factors of
-        each warp's fold, set with the first chunk, serve the later ones)."""
-        warps = WARPGROUP_THREADS // 32
-        rounds = self.cfg.combine_rounds
-        acc_O_mn = rows_cols_view(acc_O)
-        cols = cute.size(acc_O_mn, mode=[1]) // rounds
-        n_r = cute.size(acc_O_mn, mode=[0])
-        factors = cute.make_rmem_tensor((n_r, 2, warps), Float32)  # (row, self | other, warp)
-        for j in cutlass.range_constexpr(rounds):
-            if const_expr(j > 0):  # warp 0 has read the previous chunk
-                cute.arch.barrier(barrier_id=NamedBarrier.WARPGROUP,
-                                  number_of_threads=WARPGROUP_THREADS)
-            if tidx >= 32:
-                self.stash_state(sScratch, tidx, softmax, acc_O_mn, j, cols)
-            cute.arch.barrier(barrier_id=NamedBarrier.WARPGROUP,
-                              number_of_threads=WARPGROUP_THREADS)
-            if tidx < 32:
-                for w in cutlass.range_constexpr(1, warps):
-                    self.fold_state(sScratch, tidx + 32 * w, softmax, acc_O_mn, j, cols,
-                                    factors[None, 0, w], factors[None, 1, w])
+        wait until its next release), each thread in its own column
+        (`combine.fold_warps`)."""
+        fold_warps(softmax, rows_cols_view(acc_O), sScratch, tidx, self.cfg.combine_rounds,
+                   NamedBarrier.WARPGROUP)
 
     @cute.jit
     def warp_decodes(self, item: WorkItem) -> Int32:
