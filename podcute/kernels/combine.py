@@ -60,9 +60,9 @@ def fold_state(sScratch: cute.Tensor, col: Int32, softmax: OnlineSoftmax,
 def fold_warps(softmax: OnlineSoftmax, acc_O_mn: cute.Tensor, sScratch: cute.Tensor,
                tidx: Int32, rounds: cutlass.Constexpr[int], barrier_id: cutlass.Constexpr[int],
                warps: cutlass.Constexpr[int] = 4):
-    """Warps 1..warps-1 of a group of `warps` (threads 0..32 warps, each holding the same
-    rows' state over other keys) hand their states to warp 0, each thread in scratch
-    column tidx, in `rounds` chunks of O's columns; warp 0 folds them in warp order (the
+    """Warps 1..warps-1 of a group of `warps` (threads 0 .. 32 warps - 1, each warp holding
+    the same rows' state over other keys) hand their states to warp 0, each thread in
+    scratch column tidx, in `rounds` chunks of O's columns; warp 0 folds them in warp order (the
     factors of each warp's fold, set with the first chunk, serve the later ones). The
     caller owns the scratch from before the call until warp 0 is done."""
     threads = 32 * warps

@@ -112,7 +112,9 @@ class KernelConfig:
     has_sinks: bool = False
     # Shared-memory economies of head_dim 256 (whose Q and K/V stages take 192 KB): the
     # decode combine hands O over in `combine_rounds` column chunks, and without
-    # `o_staging` the epilogue stores O fragments directly.
+    # `o_staging` the epilogue stores O fragments directly. The warp-level kernel's fold of
+    # a key-split item's warps goes in `combine_rounds` chunks too: as few as its K
+    # stages, the fold's scratch, hold.
     combine_rounds: int = 1
     o_staging: bool = True
     # fp8 KV cache ("" = the cache is in q's dtype): TMA (or the gather) brings fp8 tiles
@@ -244,7 +246,8 @@ class KernelConfig:
 
     @property
     def combine_chunk(self) -> int:
-        """O values per thread in one round of the decode combine."""
+        """O values per thread in one round of the decode combine (the warp-level kernel's
+        fold: a warp's 16 x D over its 32 lanes, the same D / 2 values a thread)."""
         return self.tile_m_decode * self.head_dim // WARPGROUP_THREADS // self.combine_rounds
 
     @property
@@ -314,11 +317,8 @@ class KernelConfig:
             # parity never runs a phase ahead of the tile it waits for.
             return False, (f"num_stages {self.num_stages} must be a multiple of the "
                            f"{self.num_mma_warpgroups} MMA warpgroups")
-        o_cols = self.head_dim // 4  # O columns per thread of an m64 accumulator: 2 rows each
-        if self.combine_rounds < 1 or o_cols % self.combine_rounds or \
-                (o_cols // self.combine_rounds) % 2:
-            return False, (f"combine_rounds {self.combine_rounds} must split a thread's "
-                           f"{o_cols} O columns into even chunks")
+        if why := self._combine_rounds_error():
+            return False, why
         if self.smem_bytes() * self.ctas_per_sm > SMEM_BYTES_PER_SM:
             return False, (f"{self.smem_bytes()} B of shared memory x {self.ctas_per_sm} CTAs "
                            f"> {SMEM_BYTES_PER_SM}")
@@ -347,6 +347,16 @@ class KernelConfig:
             return False, "the launch register cap is below the producer's"
         return True, ""
 
+    def _combine_rounds_error(self) -> str:
+        """Why `combine_rounds` cannot split a thread's O columns (D / 4, 2 rows each in
+        an m64 wgmma and an m16 mma.sync accumulator alike) into even chunks; "" if it can."""
+        o_cols = self.head_dim // 4
+        if self.combine_rounds < 1 or o_cols % self.combine_rounds or \
+                (o_cols // self.combine_rounds) % 2:
+            return (f"combine_rounds {self.combine_rounds} must split a thread's "
+                    f"{o_cols} O columns into even chunks")
+        return ""
+
     def _can_implement_warp(self) -> tuple[bool, str]:
         """can_implement of the warp-level kernel: 4 warps of 16 rows over 64-token K/V
         tiles, a Q tile and 1 or 2 K/V stages (one: FlashAttention-2's order, V loads under
@@ -374,6 +384,12 @@ class KernelConfig:
         if not 1 <= self.ctas_per_sm <= 2:
             # 128 threads x the ~200 registers the fragments of D 128 take: 2 CTAs an SM.
             return False, f"ctas_per_sm {self.ctas_per_sm} (1 or 2)"
+        if why := self._combine_rounds_error():
+            return False, why
+        k_stages = self.num_stages * self.tile_n * self.head_dim * self.elem_bytes
+        if 4 * self.combine_floats > k_stages:
+            return False, (f"the fold of a key-split item ({4 * self.combine_floats} B in "
+                           f"{self.combine_rounds} rounds) must fit the K stages ({k_stages} B)")
         return True, ""
 
     def launch_regs(self) -> int:
@@ -525,8 +541,11 @@ class KernelConfig:
             window=bool(window), softcap=bool(softcap), has_sinks=bool(has_sinks),
             o_staging=False,
         )
-        for stages in (2, 1):
-            staged = dataclasses.replace(cfg, num_stages=stages, ctas_per_sm=2)
+        # (the fold of a key-split item's warps in as few rounds as the K stages hold)
+        for ctas, stages, rounds in [(2, s, r) for s in (2, 1) for r in (1, 2, 4)] + [
+                (1, 1, r) for r in (1, 2, 4)]:
+            staged = dataclasses.replace(cfg, num_stages=stages, ctas_per_sm=ctas,
+                                         combine_rounds=rounds)
             if staged.can_implement()[0]:
                 return staged._checked()
-        return dataclasses.replace(cfg, ctas_per_sm=1)._checked()
+        return staged._checked()

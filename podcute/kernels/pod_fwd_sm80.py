@@ -143,21 +143,6 @@ class PodAttentionSm80(PodKernelBase):
         return cute.make_copy_atom(
             warp.LdMatrix8x8x16bOp(transpose=transpose, num_matrices=4), self.dtype)
 
-    @property
-    def scratch_rounds(self) -> int:
-        """Chunks of O in which a split item's warps fold: as few as the K stages hold."""
-        kv_floats = self.num_stages * self.tile_n * self.head_dim // 2
-        values = WARP_ROWS * self.head_dim // 32  # O values of a thread's 16-row block
-        for rounds in (1, 2, 4):
-            if (values // rounds + 4) * self.num_threads <= kv_floats:
-                return rounds
-        raise AssertionError("the K stages cannot hold a quarter of a warp's O")
-
-    @property
-    def scratch_values(self) -> int:
-        """fp32 values per thread column of the fold scratch (`combine.scratch_values`)."""
-        return WARP_ROWS * self.head_dim // 32 // self.scratch_rounds + 4
-
     @cute.jit
     def __call__(
         self,
@@ -253,7 +238,7 @@ class PodAttentionSm80(PodKernelBase):
         # The K stages, free at the end of an item, hold the fold of a split item's warps.
         sScratch = cute.make_tensor(
             cute.recast_ptr(storage.sK.data_ptr(), dtype=Float32),
-            cute.make_layout((self.scratch_values, self.num_threads),
+            cute.make_layout((self.cfg.combine_floats // self.num_threads, self.num_threads),
                              stride=(self.num_threads, 1)))
         # V^T view (D, tile_n, stage) of the row-major V stages: the B operand of P V.
         sVt = cute.composition(
@@ -288,10 +273,6 @@ class PodAttentionSm80(PodKernelBase):
                     item.kv_len, item.q_len, item.row_end, self.group,
                     mIParams[IParam.WINDOW_LEFT], tile_n)
             n_rows = item.row_end - item.row_start
-            # A warp whose rows all lie past the item's (a decode item's 1-16 rows fill the
-            # first warp) only copies: its MMAs would repeat the last row, and their
-            # ldmatrix reads take shared-memory bandwidth from the SM's other CTA.
-            busy = warp_id * WARP_ROWS < n_rows
             softmax.reset()
             acc_O.fill(0.0)
             self.load_q(mQ, sQ, q_gather, item)
@@ -306,8 +287,6 @@ class PodAttentionSm80(PodKernelBase):
             if const_expr(stages > 1):
                 if n_min + stages < n_max:
                     self.lookup_pages(kv, item, n_min + stages)
-            tile_args = (tiled_mma_qk, tiled_mma_pv, sQ, sVt, acc_O, tidx, softmax, row_scale,
-                         kv, item, n_min, n_max, mask_from, mask_until, busy, mParams, mIParams)
             if n_rows <= WARP_ROWS:
                 # Decode items (and any item of at most 16 rows): every warp takes 16 keys
                 # of each tile with all of the rows, and the warps fold at the end.
@@ -315,7 +294,12 @@ class PodAttentionSm80(PodKernelBase):
                                   mask_from, mask_until, mParams, mIParams, sQ, sVt, sScratch,
                                   tidx, warp_id)
             else:
-                self.attend(*tile_args)
+                # A warp whose rows all lie past the item's (one of 17-63 rows) only copies:
+                # its MMAs would repeat the last row, and their ldmatrix reads take
+                # shared-memory bandwidth from the SM's other CTA.
+                self.attend(tiled_mma_qk, tiled_mma_pv, sQ, sVt, acc_O, tidx, softmax,
+                            row_scale, kv, item, n_min, n_max, mask_from, mask_until,
+                            warp_id * WARP_ROWS < n_rows, mParams, mIParams)
             self.epilogue(acc_O, softmax, tOcO, item, mO, mLSE, mSinks, mParams, mPartialO,
                           mPartialLSE, tidx)
             if item.split_slot >= 0:
@@ -381,7 +365,7 @@ class PodAttentionSm80(PodKernelBase):
         # Every warp is done with the K stages (and no copy into them is in flight: the
         # loop issues none past n_max), which now take the warps' states.
         cute.arch.barrier()
-        fold_warps(softmax, rows_cols_view(acc_O), sScratch, tidx, self.scratch_rounds,
+        fold_warps(softmax, rows_cols_view(acc_O), sScratch, tidx, self.cfg.combine_rounds,
                    NamedBarrier.MMA, warps=self.num_threads // 32)
 
     @cute.jit
