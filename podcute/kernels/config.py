@@ -24,6 +24,10 @@ ARCH_SMEM = {"sm_80": (164 * 1024, 163 * 1024), "sm_86": (100 * 1024, 99 * 1024)
              "sm_90a": (228 * 1024, 227 * 1024), "sm_120a": (100 * 1024, 99 * 1024)}
 # Shared memory the CUDA runtime reserves for each resident CTA, out of the SM's.
 CTA_RESERVED_SMEM = 1024
+# Where the warp-level kernel cuts prefill into 128-row items (two 16-row blocks a warp)
+# when their Q tile fits: measured on the H200 (plain sm_90) only. Elsewhere the 64-row
+# kernel compiles without a spill where the 128-row variants spill a few words.
+WIDE_PREFILL_ARCHS = ("sm_90",)
 # Head dims of the warp-level kernel (its O accumulator of 64 x D over 128 threads: D 256
 # would take 128 registers a thread for O alone).
 WARP_HEAD_DIMS = (64, 96, 128)
@@ -358,10 +362,10 @@ class KernelConfig:
         return ""
 
     def _can_implement_warp(self) -> tuple[bool, str]:
-        """can_implement of the warp-level kernel: 4 warps of 16 rows over 64-token K/V
-        tiles, a Q tile and 1 or 2 K/V stages (one: FlashAttention-2's order, V loads under
-        S and the next K under P V; two: tile n + 2 loads under tile n), page rows
-        gathered by cp.async."""
+        """can_implement of the warp-level kernel: 4 warps of 16 rows (2 x 16 in a 128-row
+        prefill item) over 64-token K/V tiles, a Q tile and 1 or 2 K/V stages (one:
+        FlashAttention-2's order, V loads under S and the next K under P V; two: tile
+        n + 2 loads under tile n), page rows gathered by cp.async."""
         if self.dtype not in SUPPORTED_DTYPES:
             return False, f"dtype {self.dtype} (supported: {SUPPORTED_DTYPES})"
         if self.fp8:
@@ -371,11 +375,17 @@ class KernelConfig:
                            f"serves {WARP_HEAD_DIMS})")
         if self.group < 1:
             return False, f"group {self.group} must be >= 1"
-        if (self.tile_m_prefill, self.tile_m_decode, self.tile_n) != (64, 64, 64):
-            return False, "the warp-level kernel runs 64-row items over 64-token tiles"
+        if (self.tile_m_prefill not in (64, 128)
+                or (self.tile_m_decode, self.tile_n) != (64, 64)):
+            return False, ("the warp-level kernel runs 64- or 128-row prefill items and "
+                           "64-row decode items over 64-token tiles")
         if (self.kv_box, self.num_mma_warpgroups) != (0, 1) or self.num_stages not in (1, 2):
             return False, ("the warp-level kernel gathers K/V rows into 1 or 2 stages, "
                            "4 warps")
+        if self.tile_m_prefill == 128 and self.num_stages < 2:
+            # (its tile loop takes a tile's keys in two halves; one stage refills K after
+            # the whole tile's S)
+            return False, "128-row prefill items need two K/V stages"
         per_sm, per_cta = ARCH_SMEM[self.arch]
         if (self.smem_bytes() > per_cta
                 or (self.smem_bytes() + CTA_RESERVED_SMEM) * self.ctas_per_sm > per_sm):
@@ -521,13 +531,16 @@ class KernelConfig:
     @staticmethod
     def _select_warp(dtype, head_dim, group, causal, has_lse, arch, window, softcap,
                      has_sinks, kv_dtype) -> "KernelConfig":
-        """The warp-level kernel (every page size: its K/V rows are gathered): 64-row items
-        (4 warps x 16) over 64-token tiles, two CTAs an SM, and two K/V stages where two
-        CTAs of them fit the SM's shared memory (D 128: 81 KB a CTA on sm_80 and sm_90;
-        one stage, 49 KB, on the 100 KB SMs of sm_86/89/120a). Two CTAs come first: a
-        lone CTA would leave its SM idle at every barrier; the second stage doubles the
-        bytes a decoding CTA keeps in flight (its one busy warp waits on HBM latency, not
-        on its MMAs)."""
+        """The warp-level kernel (every page size: its K/V rows are gathered): 64-row
+        decode items (4 warps x 16) over 64-token tiles, two CTAs an SM, two K/V stages
+        where two CTAs of them fit the SM's shared memory (D 128: 81 KB a CTA on sm_80 and
+        sm_90; one stage, 49 KB, on the 100 KB SMs of sm_86/89/120a), and on
+        WIDE_PREFILL_ARCHS 128-row prefill items (4 warps x 2 blocks of 16) where their Q
+        tile fits too (97 KB a CTA at D 128): each K/V fragment read from shared memory
+        then feeds two MMAs, where 16 rows a warp left the loop bound by those reads. Two CTAs come
+        first: a lone CTA would leave its SM idle at every barrier; the second stage
+        doubles the bytes a decoding CTA keeps in flight (its one busy warp waits on HBM
+        latency, not on its MMAs)."""
         if kv_dtype:
             raise ValueError(f"fp8 KV caches need the sm_90a kernel; {arch} has none "
                              f"(kv_dtype {kv_dtype!r})")
@@ -542,10 +555,11 @@ class KernelConfig:
             o_staging=False,
         )
         # (the fold of a key-split item's warps in as few rounds as the K stages hold)
-        for ctas, stages, rounds in [(2, s, r) for s in (2, 1) for r in (1, 2, 4)] + [
-                (1, 1, r) for r in (1, 2, 4)]:
+        tries = [(2, 2, 128)] * (arch in WIDE_PREFILL_ARCHS) + [(2, s, 64) for s in (2, 1)] + [
+            (1, 1, 64)]
+        for ctas, stages, tile_m, rounds in [t + (r,) for t in tries for r in (1, 2, 4)]:
             staged = dataclasses.replace(cfg, num_stages=stages, ctas_per_sm=ctas,
-                                         combine_rounds=rounds)
+                                         tile_m_prefill=tile_m, combine_rounds=rounds)
             if staged.can_implement()[0]:
                 return staged._checked()
         return staged._checked()

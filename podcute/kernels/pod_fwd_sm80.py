@@ -6,7 +6,9 @@ every CTA of a persistent grid runs the list of work items the planner gave it, 
 being packed (query token, query head) rows of one (request, KV head) against a range of
 that request's KV tokens. What differs is how the tensor cores are fed.
 
-CTA = 4 warps (FlashAttention-2's structure), each warp owning 16 of the item's 64 rows:
+CTA = 4 warps (FlashAttention-2's structure), each warp owning 16 of a 64-row item's rows,
+or two blocks of 16 (rows 16 w and 64 + 16 w) of a 128-row prefill item
+(`KernelConfig.tile_m_prefill`, where its Q tile fits):
   * every thread both copies and computes: Q rows and K/V page rows come by cp.async
     (`gather.RowGather`, the page of each row looked up one tile ahead), into swizzled
     shared-memory tiles;
@@ -26,7 +28,12 @@ keys [16 w, 16 w + 16) with all the rows, keeps its own online softmax and O, an
 warps fold into warp 0 at the end (`combine.fold_warps`, through the K stages). With the
 rows on one warp, a decoding CTA's MMAs ran on one warp and bounded it to about half the
 HBM share of an SM whose other CTA is in prefill. Items of 17-64 rows keep the rows
-split: a warp whose rows all lie past the item's only copies.
+split: a warp whose rows all lie past the item's only copies. Items of 65-128 rows give
+each warp two blocks, so that every K/V fragment read from shared memory feeds two MMAs
+(with 16 rows a warp, the ldmatrix reads of a tile's K and V by all 4 warps bound the
+loop), and take each tile's keys in two halves of 32 (S and P of 32 rows x 64 keys
+beside their O would leave the rest of the loop too few registers).
+Each path (`run_item`) holds only its own rows' O and softmax state.
 """
 
 from dataclasses import dataclass
@@ -57,7 +64,8 @@ from podcute.kernels.split_merge import finish_split
 from podcute.kernels.visibility import left_mask_until
 from podcute.kernels.work import WorkItem
 
-WARP_ROWS = 16  # rows of one warp: one m16 mma.sync
+WARP_ROWS = 16  # rows of one warp's M block: one m16 mma.sync
+BLOCK_ROWS = 64  # one M block of each of the 4 warps (rows 16 w + 64 m of a tile)
 
 
 @dataclass(frozen=True)
@@ -75,10 +83,10 @@ class WarpFragments:
     tSsQ: cute.Tensor
     tSrQ_copy: cute.Tensor
     tSrK: cute.Tensor
-    tSsK: cute.Tensor  # (CPY, CPY_N, CPY_K, stage)
+    tSsK: tuple  # per key range of a tile: (CPY, CPY_N, CPY_K, stage)
     tSrK_copy: cute.Tensor
     tOrVt: cute.Tensor
-    tOsVt: cute.Tensor  # (CPY, CPY_N, CPY_K, stage)
+    tOsVt: tuple  # per key range of a tile: (CPY, CPY_N, CPY_K, stage)
     tOrVt_copy: cute.Tensor
     tScS: cute.Tensor
     acc_O: cute.Tensor
@@ -89,8 +97,9 @@ class WarpFragments:
 @dataclass(frozen=True)
 class KvSource:
     """Where K/V tiles come from and go: the cache (and the ragged source), the shared
-    stages, the page table, and this thread's gathered rows' (page, slot) of the next tile
-    to copy."""
+    stages, the page table, and the pages of this thread's gathered rows of the next tile
+    to copy (their slots are recomputed at the copy: a register a row fewer through the
+    tile loops)."""
 
     mK: cute.Tensor
     mV: cute.Tensor
@@ -102,7 +111,18 @@ class KvSource:
     gather: RowGather
     page_divisor: layouts.PageShift
     pages: cute.Tensor
-    slots: cute.Tensor
+
+
+@dataclass(frozen=True)
+class ItemOutputs:
+    """Where an item's rows go: O (and the LSE) of the batch, or a split piece's fp32
+    partials; the sink logits its epilogue adds."""
+
+    mO: cute.Tensor
+    mLSE: Optional[cute.Tensor]
+    mSinks: Optional[cute.Tensor]
+    mPartialO: cute.Tensor
+    mPartialLSE: cute.Tensor
 
 
 class PodAttentionSm80(PodKernelBase):
@@ -119,7 +139,11 @@ class PodAttentionSm80(PodKernelBase):
         self.tile_n = cfg.tile_n
         self.num_threads = cfg.num_threads
         self.num_stages = cfg.num_stages
-        assert self.tile_m == WARP_ROWS * self.num_threads // 32
+        # 16-row M blocks of a warp in a prefill item: 1 (64-row items) or 2 (128-row
+        # items: K/V fragments read from shared memory feed twice the MMAs).
+        self.m_blocks = self.tile_m // BLOCK_ROWS
+        assert BLOCK_ROWS == WARP_ROWS * self.num_threads // 32 and self.m_blocks in (1, 2)
+        assert cfg.tile_m_decode == BLOCK_ROWS
 
     def _tiled_mmas(self):
         """Both GEMMs: the CTA's warps stacked along M (16 rows each); N in steps of 16 so
@@ -244,78 +268,115 @@ class PodAttentionSm80(PodKernelBase):
         sVt = cute.composition(
             sV, cute.make_ordered_layout((d, tile_n, stages), order=(1, 0, 2)))
 
-        thr_mma_pv = tiled_mma_pv.get_slice(tidx)
-        acc_O = cute.make_rmem_tensor(thr_mma_pv.partition_shape_C((self.tile_m, d)), Float32)
-        tOcO = thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, d)))
-        softmax = OnlineSoftmax.create(cute.size(rows_cols_view(acc_O), mode=[0]),
-                                       mParams[self.logit_param] * LOG2_E)
-        row_scale = cute.make_rmem_tensor_like(softmax.row_max, Float32)
-
-        q_gather = RowGather.create(self.dtype, self.tile_m, d, self.num_threads, tidx)
         kv_gather = RowGather.create(self.dtype, tile_n, d, self.num_threads, tidx)
-        page_divisor = layouts.PageShift(page_shift)
-        # Pages and slots of this thread's K/V rows: the current tile's, looked up one tile
-        # ahead (the page-table load's latency hides under the tile's S GEMM).
+        # Pages of this thread's K/V rows: the current tile's, looked up one tile ahead
+        # (the page-table load's latency hides under the tile's S GEMM).
         pages = cute.make_rmem_tensor(kv_gather.rows_per_thread, Int32)
-        slots = cute.make_rmem_tensor(kv_gather.rows_per_thread, Int32)
-        kv = KvSource(mK, mV, mKRagged, mVRagged, sK, sV, mPageList, kv_gather, page_divisor,
-                      pages, slots)
+        kv = KvSource(mK, mV, mKRagged, mVRagged, sK, sV, mPageList, kv_gather,
+                      layouts.PageShift(page_shift), pages)
+        out = ItemOutputs(mO, mLSE, mSinks, mPartialO, mPartialLSE)
 
         warp_id = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         cta = cute.arch.block_idx()[0]
         for i in cutlass.range(mCtaPtr[cta], mCtaPtr[cta + 1], unroll=1):
             item = WorkItem.load(mWork, mQStart, mKvLen, mPageStart, i)
-            n_min, n_max, mask_from = item.tile_bounds(
-                item.row_start, self.group, self.causal, tile_n, self.window_right(mIParams))
-            mask_until = Int32(0)
-            if const_expr(self.cfg.window):
-                mask_until = left_mask_until(
-                    item.kv_len, item.q_len, item.row_end, self.group,
-                    mIParams[IParam.WINDOW_LEFT], tile_n)
             n_rows = item.row_end - item.row_start
-            softmax.reset()
-            acc_O.fill(0.0)
-            self.load_q(mQ, sQ, q_gather, item)
-            # Prologue: K (and with two stages V) of the first `stages` tiles; Q goes with
-            # the first. One commit group a tile, empty past n_max, so the wait in the
-            # loop counts the same on every path.
-            for s in cutlass.range_constexpr(stages):
-                if n_min + s < n_max:
-                    self.lookup_pages(kv, item, n_min + s)
-                    self.load_kv(kv, item, s, load_k=True, load_v=stages > 1)
-                cute.arch.cp_async_commit_group()
-            if const_expr(stages > 1):
-                if n_min + stages < n_max:
-                    self.lookup_pages(kv, item, n_min + stages)
+            # Each path holds only its own rows' O and softmax state (a 128-row item's O
+            # is 128 registers a thread: live through the other paths, it would leave
+            # their loops none).
             if n_rows <= WARP_ROWS:
                 # Decode items (and any item of at most 16 rows): every warp takes 16 keys
                 # of each tile with all of the rows, and the warps fold at the end.
-                self.attend_split(acc_O, softmax, row_scale, kv, item, n_min, n_max,
-                                  mask_from, mask_until, mParams, mIParams, sQ, sVt, sScratch,
-                                  tidx, warp_id)
+                self.run_item(0, item, mQ, sQ, kv, sVt, sScratch, tiled_mma_qk,
+                              tiled_mma_pv, out, mParams, mIParams, tidx, warp_id)
             else:
-                # A warp whose rows all lie past the item's (one of 17-63 rows) only copies:
-                # its MMAs would repeat the last row, and their ldmatrix reads take
-                # shared-memory bandwidth from the SM's other CTA.
-                self.attend(tiled_mma_qk, tiled_mma_pv, sQ, sVt, acc_O, tidx, softmax,
-                            row_scale, kv, item, n_min, n_max, mask_from, mask_until,
-                            warp_id * WARP_ROWS < n_rows, mParams, mIParams)
-            self.epilogue(acc_O, softmax, tOcO, item, mO, mLSE, mSinks, mParams, mPartialO,
-                          mPartialLSE, tidx)
+                if const_expr(self.m_blocks == 1):
+                    self.run_item(1, item, mQ, sQ, kv, sVt, sScratch, tiled_mma_qk,
+                                  tiled_mma_pv, out, mParams, mIParams, tidx, warp_id)
+                else:
+                    # Items of at most 64 rows keep to each warp's first 16-row block:
+                    # the second would only add MMAs on rows never stored.
+                    if n_rows <= BLOCK_ROWS:
+                        self.run_item(1, item, mQ, sQ, kv, sVt, sScratch, tiled_mma_qk,
+                                      tiled_mma_pv, out, mParams, mIParams, tidx, warp_id)
+                    else:
+                        self.run_item(2, item, mQ, sQ, kv, sVt, sScratch, tiled_mma_qk,
+                                      tiled_mma_pv, out, mParams, mIParams, tidx, warp_id)
             if item.split_slot >= 0:
                 finish_split(mO, mLSE, mPartialO, mPartialLSE, mMerge, mSlotMerge, mMergeSem,
                              mQStart, item.split_slot, self.group, d, tidx,
                              self.num_threads, barrier_id=NamedBarrier.MMA, mSinks=mSinks)
-            # Every copy has landed and every warp is done with sQ, sK and sV before the
-            # next item's copies overwrite them.
+            # (no copy is in flight past n_max, but every warp must be done with sQ, sK
+            # and sV before the next item's copies overwrite them)
             cute.arch.cp_async_wait_group(0)
             cute.arch.barrier()
+
+    @cute.jit
+    def run_item(self, m_blocks: cutlass.Constexpr[int], item: WorkItem, mQ: cute.Tensor,
+                 sQ: cute.Tensor, kv: "KvSource", sVt: cute.Tensor, sScratch: cute.Tensor,
+                 tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
+                 out: "ItemOutputs", mParams: cute.Tensor, mIParams: cute.Tensor,
+                 tidx: Int32, warp_id: Int32):
+        """One work item: its Q rows and first K/V tiles, the tile loop, the epilogue.
+        m_blocks: 16-row blocks of each warp (1: items of <= 64 rows, 2: of <= 128), or 0:
+        an item of <= 16 rows split over the warps by keys (`attend_split`)."""
+        tile_n, d, stages = self.tile_n, self.head_dim, self.num_stages
+        rows = BLOCK_ROWS * max(m_blocks, 1)  # rows of O: the tile's, or warp 0's 16 x 4
+        # (addresses from a volatile tidx: computed per item, not hoisted out of the item
+        # loop, where each path's would hold registers through the other paths)
+        tidx = kept_in_loop(tidx)
+        n_min, n_max, mask_from = item.tile_bounds(
+            item.row_start, self.group, self.causal, tile_n, self.window_right(mIParams))
+        mask_until = Int32(0)
+        if const_expr(self.cfg.window):
+            mask_until = left_mask_until(
+                item.kv_len, item.q_len, item.row_end, self.group,
+                mIParams[IParam.WINDOW_LEFT], tile_n)
+        thr_mma_pv = tiled_mma_pv.get_slice(tidx)
+        acc_O = cute.make_rmem_tensor(thr_mma_pv.partition_shape_C((rows, d)), Float32)
+        tOcO = thr_mma_pv.partition_C(cute.make_identity_tensor((rows, d)))
+        softmax = OnlineSoftmax.create(cute.size(rows_cols_view(acc_O), mode=[0]),
+                                       mParams[self.logit_param] * LOG2_E)
+        row_scale = cute.make_rmem_tensor_like(softmax.row_max, Float32)
+        softmax.reset()
+        acc_O.fill(0.0)
+        q_rows = WARP_ROWS if const_expr(m_blocks == 0) else rows
+        sQ_rows = cute.local_tile(sQ, (q_rows, d), (0, 0))
+        self.load_q(mQ, sQ_rows, RowGather.create(self.dtype, q_rows, d, self.num_threads,
+                                                  tidx), item)
+        # Prologue: K (and with two stages V) of the first `stages` tiles; Q goes with the
+        # first. One commit group a tile, empty past n_max, so the wait in the loop counts
+        # the same on every path. (The pages are set first: the compiler cannot see that
+        # they are only read where looked up, and would keep a previous item's through
+        # every path.)
+        kv.pages.fill(0)
+        for s in cutlass.range_constexpr(stages):
+            if n_min + s < n_max:
+                self.lookup_pages(kv, item, n_min + s)
+                self.load_kv(kv, item, n_min + s, s, load_k=True, load_v=stages > 1)
+            cute.arch.cp_async_commit_group()
+        if const_expr(stages > 1):
+            if n_min + stages < n_max:
+                self.lookup_pages(kv, item, n_min + stages)
+        if const_expr(m_blocks == 0):
+            self.attend_split(acc_O, softmax, row_scale, kv, item, n_min, n_max, mask_from,
+                              mask_until, mParams, mIParams, sQ_rows, sVt, sScratch, tidx,
+                              warp_id)
+        else:
+            # A warp whose rows all lie past the item's (one of 17-63 rows) only copies:
+            # its MMAs would repeat the last row, and their ldmatrix reads take
+            # shared-memory bandwidth from the SM's other CTA.
+            self.attend(m_blocks, tiled_mma_qk, tiled_mma_pv, sQ_rows, sVt, acc_O, tidx,
+                        softmax, row_scale, kv, item, n_min, n_max, mask_from, mask_until,
+                        warp_id * WARP_ROWS < item.row_end - item.row_start, mParams,
+                        mIParams)
+        self.epilogue(acc_O, softmax, tOcO, item, out, mParams, tidx)
 
     @cute.jit
     def attend_split(self, acc_O: cute.Tensor, softmax: OnlineSoftmax,
                      row_scale: cute.Tensor, kv: "KvSource", item: WorkItem, n_min: Int32,
                      n_max: Int32, mask_from: Int32, mask_until: Int32, mParams: cute.Tensor,
-                     mIParams: cute.Tensor, sQ: cute.Tensor, sVt: cute.Tensor,
+                     mIParams: cute.Tensor, sQ_rows: cute.Tensor, sVt: cute.Tensor,
                      sScratch: cute.Tensor, tidx: Int32, warp_id: Int32):
         """An item of at most 16 rows, split over the warps by keys: warp w takes keys
         [16 w, 16 w + 16) of every tile with all the rows (one m16 M block), keeping its own
@@ -331,7 +392,6 @@ class PodAttentionSm80(PodKernelBase):
         copy_q = cute.make_tiled_copy_A(self._ldsm(False), tiled_mma).get_slice(lane)
         copy_k = cute.make_tiled_copy_B(self._ldsm(False), tiled_mma).get_slice(lane)
         copy_v = cute.make_tiled_copy_B(self._ldsm(True), tiled_mma).get_slice(lane)
-        sQ_rows = cute.local_tile(sQ, (WARP_ROWS, d), (0, 0))
         tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ_rows))
         sK_keys = cute.local_tile(kv.sK[None, None, 0], (WARP_ROWS, d), (warp_id, 0))
         sVt_keys = cute.local_tile(sVt[None, None, 0], (d, WARP_ROWS), (0, warp_id))
@@ -371,66 +431,89 @@ class PodAttentionSm80(PodKernelBase):
     @cute.jit
     def warp_fragments(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
                        sQ: cute.Tensor, sK: cute.Tensor, sVt: cute.Tensor,
-                       acc_O: cute.Tensor, tidx: Int32) -> WarpFragments:
-        """Thread tidx's side of both GEMMs over the CTA's tiles."""
+                       acc_O: cute.Tensor, sub_n: cutlass.Constexpr[int],
+                       tidx: Int32) -> WarpFragments:
+        """Thread tidx's side of both GEMMs over the CTA's tiles, a tile's keys taken
+        `sub_n` at a time."""
         thr_mma_qk = tiled_mma_qk.get_slice(tidx)
         thr_mma_pv = tiled_mma_pv.get_slice(tidx)
         copy_q = cute.make_tiled_copy_A(self._ldsm(False), tiled_mma_qk).get_slice(tidx)
         copy_k = cute.make_tiled_copy_B(self._ldsm(False), tiled_mma_qk).get_slice(tidx)
         copy_v = cute.make_tiled_copy_B(self._ldsm(True), tiled_mma_pv).get_slice(tidx)
+        d, stages, rows = self.head_dim, self.num_stages, cute.size(sQ, mode=[0])
+        # (sub_n, D, stage) / (D, sub_n, stage) views of each key range of the stages
+        sK_subs = [cute.local_tile(sK, (sub_n, d, stages), (h, 0, 0))
+                   for h in range(self.tile_n // sub_n)]
+        sVt_subs = [cute.local_tile(sVt, (d, sub_n, stages), (0, h, 0))
+                    for h in range(self.tile_n // sub_n)]
         tSrQ = thr_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sQ))
-        tSrK = thr_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sK[None, None, 0]))
-        tOrVt = thr_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sVt[None, None, 0]))
-        rP = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C((self.tile_m, self.tile_n)),
-                                   self.dtype)
+        tSrK = thr_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sK_subs[0][None, None, 0]))
+        tOrVt = thr_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sVt_subs[0][None, None, 0]))
+        rP = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C((rows, sub_n)), self.dtype)
         return WarpFragments(
             tiled_mma_qk, tiled_mma_pv, copy_q, copy_k, copy_v,
             # (CPY, CPY_M/N, CPY_K, stage) views: the tile loop picks its stage.
             tSrQ, copy_q.partition_S(sQ), copy_q.retile(tSrQ),
-            tSrK, copy_k.partition_S(sK), copy_k.retile(tSrK),
-            tOrVt, copy_v.partition_S(sVt), copy_v.retile(tOrVt),
-            thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))),
+            tSrK, tuple(copy_k.partition_S(x) for x in sK_subs), copy_k.retile(tSrK),
+            tOrVt, tuple(copy_v.partition_S(x) for x in sVt_subs), copy_v.retile(tOrVt),
+            thr_mma_qk.partition_C(cute.make_identity_tensor((rows, sub_n))),
             acc_O, rP, cute.make_tensor(rP.iterator, acc_as_operand_a_layout(rP.layout)),
         )
 
     @cute.jit
-    def attend(self, tiled_mma_qk: cute.TiledMma,
+    def attend(self, m_blocks: cutlass.Constexpr[int], tiled_mma_qk: cute.TiledMma,
                tiled_mma_pv: cute.TiledMma, sQ: cute.Tensor, sVt: cute.Tensor,
                acc_O: cute.Tensor, tidx: Int32, softmax: OnlineSoftmax,
                row_scale: cute.Tensor, kv: "KvSource", item: WorkItem, n_min: Int32,
                n_max: Int32, mask_from: Int32, mask_until: Int32, busy,
                mParams: cute.Tensor, mIParams: cute.Tensor):
         """The item's KV tiles n_min..n_max (their first `stages` already in flight): S,
-        the online softmax and O += P V, each warp over its 16 rows, and the copies of the
-        tiles after them."""
+        the online softmax and O += P V, each warp over its m_blocks 16-row blocks of sQ's
+        rows, and the copies of the tiles after them.
+
+        Two blocks take a tile's keys in two halves, each its own S, softmax step and P V:
+        S and P of 32 rows x 64 keys beside their O (128 registers at D 128) would leave
+        the K/V fragments and the item's state too few registers (ptxas spilled ~0.5 KB).
+        K and V are still read from shared memory once a tile."""
         stages = self.num_stages
-        # (addresses from a volatile tidx: computed here, not held through the other paths)
+        halves = m_blocks  # key ranges of a tile: 1, or 2 beside two blocks
+        assert halves == 1 or stages > 1  # (one stage refills K after all of a tile's S)
         f = self.warp_fragments(tiled_mma_qk, tiled_mma_pv, sQ, kv.sK, sVt, acc_O,
-                                kept_in_loop(tidx))
+                                self.tile_n // halves, tidx)
+        # (Q's fragments are read at the first tile, P under `busy`: set here, so that the
+        # compiler, which cannot tell, keeps no previous item's through the other paths)
+        if const_expr(self.cfg.q_in_registers and m_blocks == 1):
+            f.tSrQ.fill(0)
+        f.rP.fill(0)
+        if const_expr(m_blocks > 1):
+            busy = True  # (the item has more than 64 rows: every warp has some)
         for n_block in cutlass.range(n_min, n_max, unroll=1):
             stage = self.tile_arrived(kv, item, n_block, n_min, n_max)
-            if busy:
-                # Q's fragments: read per K block with K's (from shared memory every tile),
-                # or once per item into registers (`KernelConfig.q_in_registers`).
-                q_operand = (None, None, None)
-                if const_expr(self.cfg.q_in_registers):
-                    if n_block == n_min:
-                        cute.copy(f.copy_q, f.tSsQ, f.tSrQ_copy)
-                else:
-                    q_operand = (f.copy_q, f.tSsQ, f.tSrQ_copy)
-                acc_S = cute.make_rmem_tensor(f.rP.shape, Float32)
-                acc_S.fill(0.0)
-                warp_gemm(f.tiled_mma_qk, acc_S, f.tSrQ, f.tSrK, *q_operand, f.copy_k,
-                          f.tSsK[None, None, None, stage], f.tSrK_copy)
-                self.score_tile(acc_S, f.tScS, item, n_block, mask_from, mask_until,
-                                mParams, mIParams)
-                softmax.update(acc_S, row_scale)
-                rescale_rows(f.acc_O, row_scale)
-                f.rP.store(acc_S.load().to(self.dtype))
-            self.scores_done(kv, item, n_block, n_max)
-            if busy:
-                warp_gemm(f.tiled_mma_pv, f.acc_O, f.tOrP, f.tOrVt, None, None, None, f.copy_v,
-                          f.tOsVt[None, None, None, stage], f.tOrVt_copy)
+            for h in cutlass.range_constexpr(halves):
+                if busy:
+                    # Q's fragments: read per K block with K's (from shared memory every
+                    # tile), or once per item into registers (`KernelConfig.q_in_registers`;
+                    # one block's: two blocks' would take 64 of the registers O leaves).
+                    q_operand = (None, None, None)
+                    if const_expr(self.cfg.q_in_registers and m_blocks == 1):
+                        if n_block == n_min:
+                            cute.copy(f.copy_q, f.tSsQ, f.tSrQ_copy)
+                    else:
+                        q_operand = (f.copy_q, f.tSsQ, f.tSrQ_copy)
+                    acc_S = cute.make_rmem_tensor(f.rP.shape, Float32)
+                    acc_S.fill(0.0)
+                    warp_gemm(f.tiled_mma_qk, acc_S, f.tSrQ, f.tSrK, *q_operand, f.copy_k,
+                              f.tSsK[h][None, None, None, stage], f.tSrK_copy)
+                    self.score_tile(acc_S, f.tScS, item, n_block, mask_from, mask_until,
+                                    mParams, mIParams, col_offset=h * (self.tile_n // halves))
+                    softmax.update(acc_S, row_scale)
+                    rescale_rows(f.acc_O, row_scale)
+                    f.rP.store(acc_S.load().to(self.dtype))
+                if const_expr(h == halves - 1):
+                    self.scores_done(kv, item, n_block, n_max)
+                if busy:
+                    warp_gemm(f.tiled_mma_pv, f.acc_O, f.tOrP, f.tOrVt, None, None, None,
+                              f.copy_v, f.tOsVt[h][None, None, None, stage], f.tOrVt_copy)
             self.tile_done(kv, item, n_block, n_max, stage)
 
     # ---- the K/V pipeline (both tile loops) -------------------------------------------
@@ -446,7 +529,7 @@ class PodAttentionSm80(PodKernelBase):
         cute.arch.cp_async_wait_group(stages - 1)
         cute.arch.barrier()
         if const_expr(stages == 1):
-            self.load_kv(kv, item, 0, load_k=False, load_v=True)
+            self.load_kv(kv, item, n_block, 0, load_k=False, load_v=True)
             cute.arch.cp_async_commit_group()
             if n_block + 1 < n_max:
                 self.lookup_pages(kv, item, n_block + 1)
@@ -460,7 +543,7 @@ class PodAttentionSm80(PodKernelBase):
             cute.arch.cp_async_wait_group(0)
             cute.arch.barrier()
             if n_block + 1 < n_max:
-                self.load_kv(kv, item, 0, load_k=True, load_v=False)
+                self.load_kv(kv, item, n_block + 1, 0, load_k=True, load_v=False)
             cute.arch.cp_async_commit_group()
 
     @cute.jit
@@ -472,7 +555,7 @@ class PodAttentionSm80(PodKernelBase):
         if const_expr(stages > 1):
             cute.arch.barrier()
             if n_block + stages < n_max:
-                self.load_kv(kv, item, stage, load_k=True, load_v=True)
+                self.load_kv(kv, item, n_block + stages, stage, load_k=True, load_v=True)
             cute.arch.cp_async_commit_group()
             if n_block + stages + 1 < n_max:
                 self.lookup_pages(kv, item, n_block + stages + 1)
@@ -490,35 +573,43 @@ class PodAttentionSm80(PodKernelBase):
 
     @cute.jit
     def lookup_pages(self, kv: "KvSource", item: WorkItem, n_block: Int32):
-        """(page, slot) of each K/V row this thread copies for tile n_block; tokens past
-        kv_end clamp to the item's last (layouts.clamp_token: no page-table entry past
-        the request's pages is read, and those rows hold finite values that the mask and
-        P = 0 discard)."""
+        """The page of each K/V row this thread copies for tile n_block (page 0 on the
+        ragged source); tokens past kv_end clamp to the item's last (`kv_token`: no
+        page-table entry past the request's pages is read, and those rows hold finite
+        values that the mask and P = 0 discard)."""
         ragged = item.reads_ragged(self.cfg.ragged_kv)
         for m in cutlass.range_constexpr(kv.gather.rows_per_thread):
-            token = layouts.clamp_token(n_block * self.tile_n, kv.gather.row(m), item.kv_end)
-            page, slot = layouts.kv_locate(kv.mPageList, item.page_start, token,
-                                           kv.page_divisor)
-            kv.pages[m], kv.slots[m] = layouts.ragged_locate(page, slot, token, ragged)
+            page, slot = layouts.kv_locate(kv.mPageList, item.page_start,
+                                           self.kv_token(kv, item, n_block, m), kv.page_divisor)
+            kv.pages[m] = layouts.ragged_locate(page, slot, Int32(0), ragged)[0]
+
+    def kv_token(self, kv: "KvSource", item: WorkItem, n_block: Int32, m: int):
+        """The request's KV token of this thread's m-th row of tile n_block, clamped."""
+        return layouts.clamp_token(n_block * self.tile_n, kv.gather.row(m), item.kv_end)
 
     @cute.jit
-    def load_kv(self, kv: "KvSource", item: WorkItem, stage, load_k: cutlass.Constexpr[bool],
-                load_v: cutlass.Constexpr[bool]):
-        """cp.async of the looked-up rows of K and/or V into K/V stage `stage`."""
+    def load_kv(self, kv: "KvSource", item: WorkItem, n_block: Int32, stage,
+                load_k: cutlass.Constexpr[bool], load_v: cutlass.Constexpr[bool]):
+        """cp.async of the looked-up rows of K and/or V tile n_block into stage `stage`."""
         if const_expr(load_k):
-            self.copy_kv_tile(kv.mK, kv.mKRagged, kv.sK[None, None, stage], kv, item)
+            self.copy_kv_tile(kv.mK, kv.mKRagged, kv.sK[None, None, stage], kv, item, n_block)
         if const_expr(load_v):
-            self.copy_kv_tile(kv.mV, kv.mVRagged, kv.sV[None, None, stage], kv, item)
+            self.copy_kv_tile(kv.mV, kv.mVRagged, kv.sV[None, None, stage], kv, item, n_block)
 
     @cute.jit
     def copy_kv_tile(self, mKV: cute.Tensor, mKVRagged: Optional[cute.Tensor],
-                     sX: cute.Tensor, kv: "KvSource", item: WorkItem):
+                     sX: cute.Tensor, kv: "KvSource", item: WorkItem, n_block: Int32):
         """One K or V tile from the looked-up rows (of the cache, or of the ragged source
         for its request)."""
         ragged = item.reads_ragged(self.cfg.ragged_kv)
-        kv.gather.copy_rows(
-            sX, lambda m, r: layouts.kv_row_in(mKV, mKVRagged, ragged, kv.pages[m],
-                                               kv.slots[m], item.kv_head))
+
+        def row(m, r):
+            token = self.kv_token(kv, item, n_block, m)
+            slot = layouts.split_token(token, kv.page_divisor)[1]
+            slot = layouts.ragged_locate(Int32(0), slot, token, ragged)[1]
+            return layouts.kv_row_in(mKV, mKVRagged, ragged, kv.pages[m], slot, item.kv_head)
+
+        kv.gather.copy_rows(sX, row)
 
     # ---- scores -----------------------------------------------------------------------
 
@@ -539,22 +630,21 @@ class PodAttentionSm80(PodKernelBase):
 
     @cute.jit
     def epilogue(self, acc_O: cute.Tensor, softmax: OnlineSoftmax, tOcO: cute.Tensor,
-                 item: WorkItem, mO: cute.Tensor, mLSE: Optional[cute.Tensor],
-                 mSinks: Optional[cute.Tensor], mParams: cute.Tensor, mPartialO: cute.Tensor,
-                 mPartialLSE: cute.Tensor, tidx: Int32):
+                 item: WorkItem, out: "ItemOutputs", mParams: cute.Tensor, tidx: Int32):
         """Normalise O and write it (and the LSE) for the item's rows, or fp32 partials of a
         split piece (`epilogue.py`)."""
         inv_sum, lse = softmax.finalize(mParams[self.logit_param],
-                                        self.row_sinks(mSinks, tOcO, item, Int32(0)))
+                                        self.row_sinks(out.mSinks, tOcO, item, Int32(0)))
         rescale_rows(acc_O, inv_sum)
         n_rows = item.row_end - item.row_start
         if item.split_slot >= 0:
-            store_partial(acc_O, lse, tOcO, mPartialO, mPartialLSE, item.split_slot, Int32(0),
-                          n_rows, tidx)
+            store_partial(acc_O, lse, tOcO, out.mPartialO, out.mPartialLSE, item.split_slot,
+                          Int32(0), n_rows, tidx)
         else:
-            if const_expr(mLSE is not None):
-                gLSE = layouts.packed_lse(mLSE, item.q_start, item.q_len, item.kv_head,
+            if const_expr(out.mLSE is not None):
+                gLSE = layouts.packed_lse(out.mLSE, item.q_start, item.q_len, item.kv_head,
                                           self.group)
                 store_lse(lse, tOcO, gLSE, item.row_start, n_rows, tidx)
-            gO = layouts.packed_rows(mO, item.q_start, item.q_len, item.kv_head, self.group)
+            gO = layouts.packed_rows(out.mO, item.q_start, item.q_len, item.kv_head,
+                                     self.group)
             store_fragments(acc_O, tOcO, gO, item.row_start, n_rows)
