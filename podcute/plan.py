@@ -132,8 +132,10 @@ class CostModel:
     # streams its bytes at ~1.09x the SM's share of the copy bandwidth.
     mma_efficiency: float = 0.75
     # The warp-level kernel's (mma.sync) prefill: F1 at page 16 on the H200 forced to
-    # the portable kernel took 2.07 ms (docs/performance.md) where 0.75 predicts 0.97.
+    # the portable kernel took 2.07 ms with 64-row items (docs/performance.md) where 0.75
+    # predicts 0.97; with 128-row items (two 16-row blocks a warp) ~1.7 ms.
     warp_mma_efficiency: float = 0.35
+    warp_wide_mma_efficiency: float = 0.42
     decode_sm_bandwidth: float = 1.1
     prefill_item_overhead_us: float = 1.0
     decode_item_overhead_us: float = 2.0
@@ -149,7 +151,9 @@ class CostModel:
         """This model with the MMA efficiency of `kernel` (a KernelConfig)'s prefill."""
         if not kernel.warp_mma:
             return self
-        return dataclasses.replace(self, mma_efficiency=self.warp_mma_efficiency)
+        return dataclasses.replace(self, mma_efficiency=(
+            self.warp_mma_efficiency if kernel.tile_m_prefill <= 64
+            else self.warp_wide_mma_efficiency))
 
     def mma_flops_per_us(self) -> float:
         return self.tensor_flops_per_s / self.ref_num_sms * self.mma_efficiency * 1e-6
@@ -159,6 +163,36 @@ class CostModel:
 
 
 DEFAULT_COST_MODEL = CostModel()
+
+
+@dataclass(frozen=True)
+class PrefillTiling:
+    """The row tile prefill requests are cut into, with the unit costs it gives:
+    microseconds per KV token of a prefill item, per KV token (K + V) and per packed row
+    (Q + O) of decode, per-piece overheads (`us`), and the smallest KV split piece of each
+    kind in tiles (>= min_chunk_us of work)."""
+
+    tile_m: int
+    us: tuple
+    min_tiles: tuple
+
+    @staticmethod
+    def make(c: CostModel, kernel) -> "PrefillTiling":
+        D, tn = kernel.head_dim, kernel.tile_n
+        us_tile = 4.0 * D * kernel.tile_m_prefill * tn / c.mma_flops_per_us()
+        kv_bytes = 1 if kernel.fp8 else c.elem_bytes  # an fp8 cache streams half the bytes
+        us_tok = 2.0 * D * kv_bytes / c.hbm_bytes_per_us()
+        us_row = 2.0 * D * c.elem_bytes / c.hbm_bytes_per_us()
+        return PrefillTiling(
+            kernel.tile_m_prefill,
+            (us_tile / tn, us_tok, us_row, c.prefill_item_overhead_us,
+             c.decode_item_overhead_us),
+            (max(1, math.ceil(c.min_chunk_us / us_tile)),
+             max(1, math.ceil(c.min_chunk_us / (us_tok * tn)))))
+
+    @property
+    def mt(self) -> np.ndarray:
+        return np.array(self.min_tiles, dtype=np.int64)
 
 
 # --------------------------------------------------------------------------------------
@@ -322,6 +356,9 @@ class Plan:
     num_merge: int
     num_slots: int
     grid: int
+    # Rows of a prefill item: the kernel's tile_m_prefill, or for a batch whose taller
+    # groups would not fill the grid, tile_m_decode (Planner._choose_tiling).
+    prefill_tile_m: int
     # Upper bound of the page indices that requests with queries read (-1: none); exact
     # for CSR and for block tables whose unused entries are not larger. check_pages().
     max_page_index: int
@@ -611,6 +648,7 @@ class Planner:
             num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                        if self.device.type == "cuda" else 132)  # H200 on a host-only planner
         self.config = PlanConfig(num_qo_heads, num_kv_heads, G, head_dim, page_size, kernel)
+        cost_model_all = cost_model
         self.cost = cost_model = cost_model.for_kernel(kernel)
         self.num_sms = int(num_sms)
         self.grid = self.num_sms * kernel.ctas_per_sm
@@ -624,19 +662,14 @@ class Planner:
         # The work expansion in C (None: no C compiler here, or PODCUTE_PLANNER=numpy).
         self._native = plan_native.load()
 
-        # Unit costs in microseconds: prefill per KV token of a tile_m_prefill-row item,
-        # decode per KV token (K + V) and per packed row (Q + O), per-piece overheads.
-        c, D, tn = cost_model, head_dim, kernel.tile_n
-        us_tile = 4.0 * D * kernel.tile_m_prefill * tn / c.mma_flops_per_us()
-        kv_bytes = 1 if kernel.fp8 else c.elem_bytes  # an fp8 cache streams half the bytes
-        us_tok = 2.0 * D * kv_bytes / c.hbm_bytes_per_us()
-        us_row = 2.0 * D * c.elem_bytes / c.hbm_bytes_per_us()
-        self._us = (us_tile / tn, us_tok, us_row, c.prefill_item_overhead_us,
-                    c.decode_item_overhead_us)
-        # Smallest KV split piece, in tiles, per kind: >= min_chunk_us of work.
-        self._min_tiles = (max(1, math.ceil(c.min_chunk_us / us_tile)),
-                           max(1, math.ceil(c.min_chunk_us / (us_tok * tn))))
-        self._mt = np.array(self._min_tiles, dtype=np.int64)
+        # The prefill row tiles a batch may be cut into: the kernel's, and for a kernel
+        # whose prefill items are taller than its decode items, those of a decode item.
+        self._tilings = tuple(
+            PrefillTiling.make(cost_model_all.for_kernel(k), k) for k in dict.fromkeys(
+                (kernel, dataclasses.replace(kernel, tile_m_prefill=kernel.tile_m_decode))
+                if kernel.warp_mma and kernel.tile_m_prefill > kernel.tile_m_decode
+                else (kernel,)))
+        self._use_tiling(self._tilings[0])
         # Per kind, the work rows of one row tile before its REQ and rows: one per KV head.
         self._group_rows = np.zeros((2, num_kv_heads, WORK_COLS), dtype=np.int32)
         self._group_rows[:, :, WorkCol.KV_HEAD] = np.arange(num_kv_heads)
@@ -649,6 +682,27 @@ class Planner:
         self._odd = (slot & 1).astype(bool)
 
     # ---- buffers ------------------------------------------------------------------------
+
+    def _use_tiling(self, tiling: PrefillTiling) -> None:
+        """Plan the next batch with `tiling`'s prefill row tile and unit costs."""
+        self._tiling = tiling
+        self._us, self._min_tiles, self._mt = tiling.us, tiling.min_tiles, tiling.mt
+
+    def _choose_tiling(self, q_len: np.ndarray, options) -> None:
+        """The batch's prefill row tile: the kernel's, unless its prefill groups would not
+        give every CTA one (the taller tiles' better MMA rate is then lost to the KV
+        splits, partials and merges that spread fewer groups over the grid) and a shorter
+        tile is served (the warp-level kernel's 128-row items: 64-row ones). Batch-
+        invariant plans keep the kernel's (a row's result must not depend on the batch)."""
+        if len(self._tilings) == 1 or options.batch_invariant:
+            self._use_tiling(self._tilings[0])
+            return
+        rows = q_len * self.config.group_size
+        wide = self._tilings[0].tile_m
+        pre = rows[rows > self.config.kernel.tile_m_decode]
+        groups = int(((pre + (wide - 1)) // wide).sum()) * self.config.num_kv_heads
+        self._use_tiling(self._tilings[0] if groups >= self.grid or not groups
+                         else self._tilings[1])
 
     def _check_limits(self, batch: int, tokens: int, pages: int) -> None:
         """CapacityError naming the argument when a capacity is past what the kernel's
@@ -1040,6 +1094,7 @@ class Planner:
         the staging buffers: plan_native's C, else the numpy code below, which compute the
         same plan bit for bit), then write the rest of the metadata and make the Plan."""
         self._sync_staging()
+        self._choose_tiling(q_len, options)
         lay = None
         if self._native is not None:
             lay = self._native.build(self, q_len, kvl, options)
@@ -1072,8 +1127,9 @@ class Planner:
         # What the plan predicts (per-item and per-CTA times, the summary) is computed when
         # first read, from arrays nothing writes again: the kernel needs none of it. Until
         # then it holds the part costs and kinds (9 bytes a work row) and the cut parts'.
+        rates = self._us[:2]
         costs = _once(lambda: self._predicted_costs(lay.pc, lay.kind, lay.ptr, lay.swaps,
-                                                    lay.n0p, lay.fixes))
+                                                    lay.n0p, lay.fixes, rates))
         counts = dict(num_requests=B, num_prefill_requests=lay.n_prefill_req,
                       num_decode_requests=lay.n_decode_req, num_split_items=lay.num_slots,
                       num_merges=lay.num_merge, grid=grid)
@@ -1082,7 +1138,8 @@ class Planner:
         return Plan(
             config=cfg, causal=bool(options.causal), sm_scale=sm_scale, options=options,
             total_q=total_q, batch_size=B, num_items=n, num_merge=lay.num_merge,
-            num_slots=lay.num_slots, grid=grid, max_page_index=max_page_index,
+            num_slots=lay.num_slots, grid=grid, prefill_tile_m=self._tiling.tile_m,
+            max_page_index=max_page_index,
             buffer_epoch=self.buffer_epoch, summary=summary, kernel_args=self.kernel_args,
             q_lens=q_len, kv_lens=kvl, needed_pages=used, _pages=pages, _buffers=self._d,
             _num_page_entries=num_entries, _costs=costs)
@@ -1093,7 +1150,7 @@ class Planner:
         cfg, kcfg, grid = self.config, self.config.kernel, self.grid
         causal, bounded, right = options.causal, options.bounded_right, options.right
         left = options.window_left
-        tm_p, tm_d, tn = kcfg.tile_m_prefill, kcfg.tile_m_decode, kcfg.tile_n
+        tm_p, tm_d, tn = self._tiling.tile_m, kcfg.tile_m_decode, kcfg.tile_n
         G, Hkv = cfg.group_size, cfg.num_kv_heads
         B = q_len.size
         r_p, r_d, r_row, o_p, o_d = self._us
@@ -1421,13 +1478,13 @@ class Planner:
         return Layout(n, num_merge, num_slots, ptr, pc, kind, swaps, fixes, n0p, n0d,
                       preq.size, dreq.size)
 
-    def _predicted_costs(self, pc, kind, ptr, swaps, n0p, fixes):
+    def _predicted_costs(self, pc, kind, ptr, swaps, n0p, fixes, rates):
         """(predicted time of each work row, of each CTA list, of each list's prefill
         rows). pc: each part's cost, its piece's for the parts next to a cut, which have
         their own: `fixes` = (those parts, their fixed costs, KV starts, KV ends), or None;
         kind: True for decode (None: all of one kind); swaps: the rows the list heads
-        were swapped with."""
-        r_p, r_d = self._us[:2]
+        were swapped with; rates: the batch's prefill and decode cost per KV token."""
+        r_p, r_d = rates
         if fixes is not None:
             fix, f, s, e = fixes
             pc = pc.copy()

@@ -126,6 +126,9 @@ class NativeBuilder:
         q_len = np.ascontiguousarray(q_len, dtype=np.int64)
         kvl = np.ascontiguousarray(kvl, dtype=np.int64)
         io.B, io.q_len, io.kv_len = q_len.size, _addr(q_len), _addr(kvl)
+        # (the batch's prefill tiling: Planner._choose_tiling)
+        io.tm_p, io.r_p, io.min_tiles[0] = (planner._tiling.tile_m, planner._us[0],
+                                            planner._min_tiles[0])
         io.bounded, io.right, io.left = options.bounded_right, options.right, options.window_left
         io.has_window, io.invariant = options.has_window, options.batch_invariant
         rc = self._fn(bufs.ref)

@@ -53,7 +53,8 @@ def check_plan(plan, q_lens, kv_lens, page_limit):
     """All structural invariants of one plan (docs/design.md)."""
     cfg = plan.config
     G, Hkv, Hq, ps = cfg.group_size, cfg.num_kv_heads, cfg.num_qo_heads, cfg.page_size
-    tm_p, tm_d, tn = cfg.kernel.tile_m_prefill, cfg.kernel.tile_m_decode, cfg.kernel.tile_n
+    tm_p, tm_d, tn = plan.prefill_tile_m, cfg.kernel.tile_m_decode, cfg.kernel.tile_n
+    assert tm_p in (cfg.kernel.tile_m_prefill, tm_d)
     q_lens, kv_lens = np.asarray(q_lens, np.int64), np.asarray(kv_lens, np.int64)
     work = plan.work.numpy().astype(np.int64)
     merge = plan.merge.numpy().astype(np.int64)
@@ -614,14 +615,55 @@ def test_cost_model_takes_each_kernels_prefill_rate():
     from podcute.plan import DEFAULT_COST_MODEL, Planner
 
     hopper = Planner(32, 8, 128, 16, device="cpu")
-    warp = Planner(32, 8, 128, 16, device="cpu", arch="sm_90")
+    warp = Planner(32, 8, 128, 16, device="cpu", arch="sm_90")  # 128-row prefill items
+    narrow = Planner(32, 8, 128, 16, device="cpu", arch="sm_86")  # 64-row ones
     assert hopper.cost is DEFAULT_COST_MODEL
-    assert warp.cost.mma_efficiency == DEFAULT_COST_MODEL.warp_mma_efficiency < \
+    assert warp.config.kernel.tile_m_prefill == 128
+    assert narrow.config.kernel.tile_m_prefill == 64
+    assert narrow.cost.mma_efficiency == DEFAULT_COST_MODEL.warp_mma_efficiency < \
+        warp.cost.mma_efficiency == DEFAULT_COST_MODEL.warp_wide_mma_efficiency < \
         DEFAULT_COST_MODEL.mma_efficiency
     assert warp.cost.hbm_bytes_per_us() == hopper.cost.hbm_bytes_per_us()
     q = torch.tensor([0, 4096], dtype=torch.int32)
     kv = torch.tensor([4096], dtype=torch.int32)
     bt = torch.zeros(1, 256, dtype=torch.int32)
-    p_hopper = hopper.plan(q, kv, block_table=bt).summary.predicted_prefill_us
-    p_warp = warp.plan(q, kv, block_table=bt).summary.predicted_prefill_us
+    # (per SM: the warp-level kernel runs two CTAs on each)
+    p_hopper = hopper.plan(q, kv, block_table=bt).summary.predicted_us
+    p_warp = warp.plan(q, kv, block_table=bt).summary.predicted_us
     assert p_warp > p_hopper
+
+
+def test_warp_kernel_cuts_prefill_into_shorter_tiles_when_few():
+    """The warp-level kernel's 128-row prefill items (two 16-row blocks a warp) are used
+    when a batch's prefill gives every CTA a group of them; a batch with fewer takes
+    64-row items (one block a warp) rather than KV-splitting the few groups over the
+    grid. Batch-invariant plans keep 128 rows, whatever the batch."""
+    p = planner(16, 4, 128, 16, arch="sm_90")
+    assert p.config.kernel.tile_m_prefill == 128 and p.grid == 2 * p.num_sms
+
+    def items(q_lens, kv_lens, **kw):
+        cu = np.zeros(len(q_lens) + 1, np.int32)
+        cu[1:] = np.cumsum(q_lens)
+        kvl = np.array(kv_lens, np.int32)
+        bt = np.arange(len(q_lens) * 1024, dtype=np.int32).reshape(len(q_lens), 1024)
+        plan = p.plan(torch.from_numpy(cu), torch.from_numpy(kvl),
+                      block_table=torch.from_numpy(bt), **kw)
+        check_plan(plan, q_lens, kv_lens, 1024)
+        work = plan.work.numpy()
+        pre = (work[:, WorkCol.KIND] & KIND_MASK) == KIND_PREFILL
+        return plan, (work[pre, WorkCol.ROW_END] - work[pre, WorkCol.ROW_START]).max()
+
+    # 1024 tokens x G 4 = 32 tiles of 128 rows x 4 KV heads = 128 groups < 264 CTAs
+    few = ([1024] + [1] * 80, [12288] * 81)
+    plan, rows = items(*few)
+    assert plan.prefill_tile_m == 64 and rows == 64
+    # 8192 tokens: 1024 groups of 128 rows
+    plan, rows = items([8192], [8192])
+    assert plan.prefill_tile_m == 128 and rows == 128
+    plan, rows = items(*few, batch_invariant=True)
+    assert plan.prefill_tile_m == 128 and rows == 128
+    # decode only: the kernel's tiling (no prefill to cut)
+    plan = p.plan(torch.tensor([0, 1, 2], dtype=torch.int32),
+                  torch.tensor([5, 6], dtype=torch.int32),
+                  block_table=torch.zeros(2, 1, dtype=torch.int32))
+    assert plan.prefill_tile_m == 128
