@@ -175,6 +175,7 @@ class PrefillTiling:
     tile_m: int
     us: tuple
     min_tiles: tuple
+    mt: np.ndarray = field(compare=False)  # min_tiles as an array (indexed by kind)
 
     @staticmethod
     def make(c: CostModel, kernel) -> "PrefillTiling":
@@ -183,16 +184,13 @@ class PrefillTiling:
         kv_bytes = 1 if kernel.fp8 else c.elem_bytes  # an fp8 cache streams half the bytes
         us_tok = 2.0 * D * kv_bytes / c.hbm_bytes_per_us()
         us_row = 2.0 * D * c.elem_bytes / c.hbm_bytes_per_us()
+        min_tiles = (max(1, math.ceil(c.min_chunk_us / us_tile)),
+                     max(1, math.ceil(c.min_chunk_us / (us_tok * tn))))
         return PrefillTiling(
             kernel.tile_m_prefill,
             (us_tile / tn, us_tok, us_row, c.prefill_item_overhead_us,
              c.decode_item_overhead_us),
-            (max(1, math.ceil(c.min_chunk_us / us_tile)),
-             max(1, math.ceil(c.min_chunk_us / (us_tok * tn)))))
-
-    @property
-    def mt(self) -> np.ndarray:
-        return np.array(self.min_tiles, dtype=np.int64)
+            min_tiles, np.array(min_tiles, dtype=np.int64))
 
 
 # --------------------------------------------------------------------------------------
@@ -648,8 +646,7 @@ class Planner:
             num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                        if self.device.type == "cuda" else 132)  # H200 on a host-only planner
         self.config = PlanConfig(num_qo_heads, num_kv_heads, G, head_dim, page_size, kernel)
-        cost_model_all = cost_model
-        self.cost = cost_model = cost_model.for_kernel(kernel)
+        self.cost = cost_model.for_kernel(kernel)
         self.num_sms = int(num_sms)
         self.grid = self.num_sms * kernel.ctas_per_sm
         self.buffer_epoch = 0
@@ -664,12 +661,11 @@ class Planner:
 
         # The prefill row tiles a batch may be cut into: the kernel's, and for a kernel
         # whose prefill items are taller than its decode items, those of a decode item.
-        self._tilings = tuple(
-            PrefillTiling.make(cost_model_all.for_kernel(k), k) for k in dict.fromkeys(
-                (kernel, dataclasses.replace(kernel, tile_m_prefill=kernel.tile_m_decode))
-                if kernel.warp_mma and kernel.tile_m_prefill > kernel.tile_m_decode
-                else (kernel,)))
-        self._use_tiling(self._tilings[0])
+        kernels = [kernel]
+        if kernel.warp_mma and kernel.tile_m_prefill > kernel.tile_m_decode:
+            kernels.append(dataclasses.replace(kernel, tile_m_prefill=kernel.tile_m_decode))
+        self._tilings = tuple(PrefillTiling.make(cost_model.for_kernel(k), k) for k in kernels)
+        self._tiling = self._tilings[0]  # the current batch's (_build sets it)
         # Per kind, the work rows of one row tile before its REQ and rows: one per KV head.
         self._group_rows = np.zeros((2, num_kv_heads, WORK_COLS), dtype=np.int32)
         self._group_rows[:, :, WorkCol.KV_HEAD] = np.arange(num_kv_heads)
@@ -683,26 +679,19 @@ class Planner:
 
     # ---- buffers ------------------------------------------------------------------------
 
-    def _use_tiling(self, tiling: PrefillTiling) -> None:
-        """Plan the next batch with `tiling`'s prefill row tile and unit costs."""
-        self._tiling = tiling
-        self._us, self._min_tiles, self._mt = tiling.us, tiling.min_tiles, tiling.mt
-
-    def _choose_tiling(self, q_len: np.ndarray, options) -> None:
+    def _choose_tiling(self, q_len: np.ndarray, options) -> PrefillTiling:
         """The batch's prefill row tile: the kernel's, unless its prefill groups would not
         give every CTA one (the taller tiles' better MMA rate is then lost to the KV
         splits, partials and merges that spread fewer groups over the grid) and a shorter
         tile is served (the warp-level kernel's 128-row items: 64-row ones). Batch-
         invariant plans keep the kernel's (a row's result must not depend on the batch)."""
         if len(self._tilings) == 1 or options.batch_invariant:
-            self._use_tiling(self._tilings[0])
-            return
+            return self._tilings[0]
         rows = q_len * self.config.group_size
         wide = self._tilings[0].tile_m
         pre = rows[rows > self.config.kernel.tile_m_decode]
         groups = int(((pre + (wide - 1)) // wide).sum()) * self.config.num_kv_heads
-        self._use_tiling(self._tilings[0] if groups >= self.grid or not groups
-                         else self._tilings[1])
+        return self._tilings[0] if groups >= self.grid or not groups else self._tilings[1]
 
     def _check_limits(self, batch: int, tokens: int, pages: int) -> None:
         """CapacityError naming the argument when a capacity is past what the kernel's
@@ -1094,7 +1083,7 @@ class Planner:
         the staging buffers: plan_native's C, else the numpy code below, which compute the
         same plan bit for bit), then write the rest of the metadata and make the Plan."""
         self._sync_staging()
-        self._choose_tiling(q_len, options)
+        self._tiling = self._choose_tiling(q_len, options)
         lay = None
         if self._native is not None:
             lay = self._native.build(self, q_len, kvl, options)
@@ -1127,7 +1116,7 @@ class Planner:
         # What the plan predicts (per-item and per-CTA times, the summary) is computed when
         # first read, from arrays nothing writes again: the kernel needs none of it. Until
         # then it holds the part costs and kinds (9 bytes a work row) and the cut parts'.
-        rates = self._us[:2]
+        rates = self._tiling.us[:2]
         costs = _once(lambda: self._predicted_costs(lay.pc, lay.kind, lay.ptr, lay.swaps,
                                                     lay.n0p, lay.fixes, rates))
         counts = dict(num_requests=B, num_prefill_requests=lay.n_prefill_req,
@@ -1153,7 +1142,7 @@ class Planner:
         tm_p, tm_d, tn = self._tiling.tile_m, kcfg.tile_m_decode, kcfg.tile_n
         G, Hkv = cfg.group_size, cfg.num_kv_heads
         B = q_len.size
-        r_p, r_d, r_row, o_p, o_d = self._us
+        r_p, r_d, r_row, o_p, o_d = self._tiling.us
 
         rows = q_len * G
         is_pre = rows > tm_d
@@ -1257,7 +1246,7 @@ class Planner:
         # so each kind reaches every CTA and co-runs with the other on every SM.
         invariant = options.batch_invariant
         splits = [self._presplit(None if kv_begin is None else kv_begin[sl], kv_end[sl],
-                                 fixed[sl], rate, self._min_tiles[kind_k],
+                                 fixed[sl], rate, self._tiling.min_tiles[kind_k],
                                  INVARIANT_SPLIT_TOKENS[kind_k] if invariant else None)
                   for kind_k, sl, rate in kinds]
         if not any(splits):  # (each is None or a tuple)
@@ -1321,8 +1310,8 @@ class Planner:
             ch = order[i] if both else i
             s_i, e_i, c_i = s1[ch], e1[ch], c[i]
             span_t = (e_i - s_i + (tn - 1)) // tn
-            mt = self._mt[(ch >= n1p).view(np.int8)] if both else \
-                self._mt[Kind.PREFILL if n0p else Kind.DECODE]
+            mt = self._tiling.mt[(ch >= n1p).view(np.int8)] if both else \
+                self._tiling.mt[Kind.PREFILL if n0p else Kind.DECODE]
         # A cut must leave >= min_tiles on both sides: none when no piece under a boundary
         # has 2 * min_tiles (then skip the search).
         # A batch-invariant plan never cuts: a piece's KV range is the request's own.

@@ -80,13 +80,14 @@ class _Buffers:
         hs = planner._h
         for a in (hs["work"], hs["merge"], hs["slot_merge"]):
             assert a.dtype == np.int32 and a.flags.c_contiguous
-        r_p, r_d, r_row, o_p, o_d = planner._us
+        _, r_d, r_row, o_p, o_d = planner._tiling.us
         io = self.io = _PlanIO()
         io.G, io.Hkv = cfg.group_size, cfg.num_kv_heads
-        io.tm_p, io.tm_d, io.tn, io.grid = k.tile_m_prefill, k.tile_m_decode, k.tile_n, grid
-        io.r_p, io.r_d, io.r_row, io.o_p, io.o_d = r_p, r_d, r_row, o_p, o_d
+        # (the prefill row tile, rate and smallest piece are the batch's: build())
+        io.tm_d, io.tn, io.grid = k.tile_m_decode, k.tile_n, grid
+        io.r_d, io.r_row, io.o_p, io.o_d = r_d, r_row, o_p, o_d
         io.chunks_per_cta, io.min_chunk_us = c.chunks_per_cta, c.min_chunk_us
-        io.min_tiles[0], io.min_tiles[1] = planner._min_tiles
+        io.min_tiles[1] = planner._tiling.min_tiles[1]
         io.invariant_tokens[0], io.invariant_tokens[1] = INVARIANT_SPLIT_TOKENS
         io.bounds_unit, io.odd = _addr(self.bounds_unit), _addr(self.odd)
         io.cap_items, io.cap_merges, io.cap_slots = cap.items, cap.merges, cap.slots
@@ -127,8 +128,8 @@ class NativeBuilder:
         kvl = np.ascontiguousarray(kvl, dtype=np.int64)
         io.B, io.q_len, io.kv_len = q_len.size, _addr(q_len), _addr(kvl)
         # (the batch's prefill tiling: Planner._choose_tiling)
-        io.tm_p, io.r_p, io.min_tiles[0] = (planner._tiling.tile_m, planner._us[0],
-                                            planner._min_tiles[0])
+        t = planner._tiling
+        io.tm_p, io.r_p, io.min_tiles[0] = t.tile_m, t.us[0], t.min_tiles[0]
         io.bounded, io.right, io.left = options.bounded_right, options.right, options.window_left
         io.has_window, io.invariant = options.has_window, options.batch_invariant
         rc = self._fn(bufs.ref)

@@ -398,7 +398,7 @@ def test_long_decode_is_split_and_merged():
     # chunks keep at least the minimum chunk of KV
     w = plan.work.numpy()
     span = w[:, 5] - w[:, 4]
-    assert span.min() >= p._min_tiles[KIND_DECODE] * p.config.kernel.tile_n
+    assert span.min() >= p._tiling.min_tiles[KIND_DECODE] * p.config.kernel.tile_n
     assert plan.summary.balance < 1.2
 
 

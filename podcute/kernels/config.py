@@ -537,10 +537,10 @@ class KernelConfig:
         sm_90; one stage, 49 KB, on the 100 KB SMs of sm_86/89/120a), and on
         WIDE_PREFILL_ARCHS 128-row prefill items (4 warps x 2 blocks of 16) where their Q
         tile fits too (97 KB a CTA at D 128): each K/V fragment read from shared memory
-        then feeds two MMAs, where 16 rows a warp left the loop bound by those reads. Two CTAs come
-        first: a lone CTA would leave its SM idle at every barrier; the second stage
-        doubles the bytes a decoding CTA keeps in flight (its one busy warp waits on HBM
-        latency, not on its MMAs)."""
+        then feeds two MMAs, where 16 rows a warp left the loop bound by those reads. Two
+        CTAs come first: a lone CTA would leave its SM idle at every barrier; the second
+        stage doubles the bytes a decoding CTA keeps in flight (its one busy warp waits on
+        HBM latency, not on its MMAs)."""
         if kv_dtype:
             raise ValueError(f"fp8 KV caches need the sm_90a kernel; {arch} has none "
                              f"(kv_dtype {kv_dtype!r})")
@@ -554,9 +554,11 @@ class KernelConfig:
             window=bool(window), softcap=bool(softcap), has_sinks=bool(has_sinks),
             o_staging=False,
         )
-        # (the fold of a key-split item's warps in as few rounds as the K stages hold)
-        tries = [(2, 2, 128)] * (arch in WIDE_PREFILL_ARCHS) + [(2, s, 64) for s in (2, 1)] + [
-            (1, 1, 64)]
+        # (ctas, stages, prefill rows), best first; the fold of a key-split item's warps
+        # in as few rounds as the K stages hold
+        tries = [(2, 2, 64), (2, 1, 64), (1, 1, 64)]
+        if arch in WIDE_PREFILL_ARCHS:
+            tries.insert(0, (2, 2, 128))
         for ctas, stages, tile_m, rounds in [t + (r,) for t in tries for r in (1, 2, 4)]:
             staged = dataclasses.replace(cfg, num_stages=stages, ctas_per_sm=ctas,
                                          tile_m_prefill=tile_m, combine_rounds=rounds)
