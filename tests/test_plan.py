@@ -627,10 +627,13 @@ def test_cost_model_takes_each_kernels_prefill_rate():
     q = torch.tensor([0, 4096], dtype=torch.int32)
     kv = torch.tensor([4096], dtype=torch.int32)
     bt = torch.zeros(1, 256, dtype=torch.int32)
-    # (per SM: the warp-level kernel runs two CTAs on each)
-    p_hopper = hopper.plan(q, kv, block_table=bt).summary.predicted_us
-    p_warp = warp.plan(q, kv, block_table=bt).summary.predicted_us
-    assert p_warp > p_hopper
+    # per CTA with 64-row items; per SM with 128-row ones (two CTAs on each, whose faster
+    # items leave each CTA's half of the prefill under one sm_90a CTA's whole)
+    p_hopper = hopper.plan(q, kv, block_table=bt).summary
+    p_narrow = narrow.plan(q, kv, block_table=bt).summary
+    p_warp = warp.plan(q, kv, block_table=bt).summary
+    assert p_narrow.predicted_prefill_us > p_hopper.predicted_prefill_us
+    assert p_warp.predicted_us > p_hopper.predicted_us
 
 
 def test_warp_kernel_cuts_prefill_into_shorter_tiles_when_few():
