@@ -18,14 +18,15 @@ pytestmark = pytest.mark.compile
 
 FEATURES = "window+softcap+sinks"
 BOTH = "bfloat16,float16"  # the shipped set is bf16; the feature check covers fp16 too
-# Spill bytes ptxas is known to report, per target (0 elsewhere). Plain sm_90's 128-row
-# prefill items (config.WIDE_PREFILL_ARCHS): their two-block loop keeps O of 32 rows (128
-# registers at D 128), and ptxas, overlapping one half-tile's S GEMM with the last
-# half's P V, keeps a few values in local memory (at most 124 bytes a variant, D 128
-# non-causal; ~5 stores and loads a tile of ~1600 instructions; the H200 A/B that made
-# F1 11-27 % faster ran with them: docs/performance.md, twentieth session). The targets
-# with 64-row items spill nothing.
-SPILL_ALLOWANCE = {"sm_90": 128}
+# Spill bytes ptxas is known to report on plain sm_90, per variant set (0 elsewhere): its
+# 128-row prefill items (config.WIDE_PREFILL_ARCHS) keep O of 32 rows a warp (128
+# registers at D 128) beside a per-SM budget of 255, and ptxas, reading ahead as far as
+# registers allow, leaves a few values in local memory. Where they are (SASS of the
+# 2026-12-05 build, docs/performance.md): the two-block tile loop reloads at most two
+# loop-invariant words a tile (0 in the causal variants; with every model feature on,
+# 9 of ~1600 instructions), and the rest are per-item code (the split items' fold, the
+# epilogue). The targets with 64-row items spill nothing.
+SPILL_ALLOWANCE = {"sm_90": {"shipped": 64, "features": 104, "ragged": 64}}
 
 
 def _compile(arch: str, *args) -> subprocess.CompletedProcess:
@@ -37,15 +38,16 @@ def _compile(arch: str, *args) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("arch", WARP_MMA_ARCHS)
 def test_portable_variants_compile_without_spills(arch):
-    allowance = SPILL_ALLOWANCE.get(arch, 0)
+    allowance = SPILL_ALLOWANCE.get(arch, {})
     for args, want, allowed in (
-            ((), shipped_variants(arch), allowance),
+            ((), shipped_variants(arch), allowance.get("shipped", 0)),
             (("--features", FEATURES, "--groups", "4", "--dtypes", BOTH),
              shipped_variants(arch, groups=(4,), features=(FEATURES,), dtypes=BOTH.split(",")),
-             allowance),
+             allowance.get("features", 0)),
             # the legacy POD wrapper's second (ragged) K/V source
             (("--features", "ragged", "--groups", "4"),
-             shipped_variants(arch, groups=(4,), features=("ragged",)), allowance)):
+             shipped_variants(arch, groups=(4,), features=("ragged",)),
+             allowance.get("ragged", 0))):
         log = _compile(arch, *args)
         assert log.returncode == 0, log.stdout[-3000:] + log.stderr[-3000:]
         lines = [l for l in log.stdout.splitlines() if l.startswith("[")]

@@ -109,3 +109,33 @@ def warp_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCr
             cute.copy(copy_B, tCsB[None, None, k + 1], tCrB_copy[None, None, k + 1])
         cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
 
+
+
+
+def column_groups(acc: cute.Tensor, tCrB: cute.Tensor, groups: int):
+    """(acc, B fragment) viewed as (V, M, (n, group)) and (V, (n, group), K): `groups`
+    runs of consecutive MMA_N columns, group g being the columns that mode 1 index g of
+    B's ldmatrix view (`ThrCopy.retile`) fills."""
+    per_group = cute.size(tCrB.shape[1]) // groups
+    return (cute.logical_divide(acc, (None, None, per_group)),
+            cute.logical_divide(tCrB, (None, per_group, None)))
+
+
+@cute.jit
+def warp_gemm_by_columns(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor,
+                         tCrB: cute.Tensor, copy_B, tCsB: cute.Tensor, tCrB_copy: cute.Tensor):
+    """acc += A @ B with warp-level MMAs, A in registers and B read from shared memory one
+    ldmatrix column group at a time, all K blocks of it: B's registers in flight are a
+    few column groups' (ptxas reads ahead as registers allow), not a whole K block's of
+    all of N (at D 128 a K block of P V's B is 32 registers; two in flight beside a
+    128-row item's O spilled). Each accumulator sums its K blocks in the same order as
+    `warp_gemm`'s."""
+    num_k = cute.size(tCrB.shape[2])
+    groups = cute.size(tCrB_copy.shape[1])
+    acc_g, tCrB_g = column_groups(acc, tCrB, groups)
+    for g in cutlass.range_constexpr(groups):
+        for k in cutlass.range_constexpr(num_k):
+            cute.copy(copy_B, tCsB[None, g, k], tCrB_copy[None, g, k])
+        for k in cutlass.range_constexpr(num_k):
+            cute.gemm(tiled_mma, acc_g[None, None, (None, g)], tCrA[None, None, k],
+                      tCrB_g[None, (None, g), k], acc_g[None, None, (None, g)])
