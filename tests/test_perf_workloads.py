@@ -427,3 +427,27 @@ def test_bytes_moved_with_a_one_byte_cache():
     w = W.M1
     qo = 2 * w.total_q * w.num_qo_heads * w.head_dim
     assert W.bytes_moved(w, kv_elem_bytes=1) == (W.bytes_moved(w) - 2 * qo) // 2 + 2 * qo
+
+
+def test_sass_loops_finds_back_branches_and_counts_inside():
+    from perf.sass_loops import loops
+
+    sass = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_0:
+        /*0010*/                   LDSM.16.M88.4 R4, [R2] ;
+        /*0020*/                   HMMA.16816.F32.BF16 R8, R4, R6, R8 ;
+.L_x_1:
+        /*0030*/                   LDL R3, [R1+0x8] ;
+        /*0040*/              @!P0 BRA `(.L_x_1) ;
+        /*0050*/                   STL [R1], R3 ;
+        /*0060*/              @P1 BRA `(.L_x_0) ;
+        /*0070*/                   BRA `(.L_x_2) ;
+.L_x_2:
+        /*0080*/                   EXIT ;
+"""
+    found = {(s, e): c for s, e, c in loops(sass)}
+    assert set(found) == {(0x10, 0x60), (0x30, 0x40)}  # a forward branch is no loop
+    outer, inner = found[(0x10, 0x60)], found[(0x30, 0x40)]
+    assert (outer["HMMA"], outer["LDSM"], outer["LDL"], outer["STL"], outer["BRA"]) == (1, 1, 1, 1, 2)
+    assert sum(inner.values()) == 2 and inner["LDL"] == 1

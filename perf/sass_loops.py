@@ -1,0 +1,117 @@
+"""What ptxas made of a kernel's loops, on a machine without a GPU: compile variants,
+disassemble their cubins and print, per loop, its instructions and the local-memory
+(spill) stores and loads inside it. The ptxas spill total says how many bytes went to
+local memory; this says whether they sit in a tile loop (paid every tile) or in per-item
+code (paid once an item).
+
+    python -m perf.sass_loops --arch sm_90 --head-dims 128 --groups 4 [--features ...]
+        [--dtypes bfloat16] [--all-loops] [--keep DIR]
+
+Needs `nvdisasm` (`NVDISASM=...`, on PATH, or the `nvidia-cuda-nvdisasm` wheel:
+`pip download --no-deps nvidia-cuda-nvdisasm` and unzip it; its binary is
+nvidia/cu13/bin/nvdisasm). A loop is the span from a backward branch's target to the
+branch. Nested loops are listed each on their own; by default only loops with MMAs.
+"""
+
+import argparse
+import collections
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+_INSN = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)([^;]*);")
+_LABEL = re.compile(r"\s*\.L_x_(\d+):")
+_TARGET = re.compile(r"\.L_x_(\d+)")
+COUNTED = ("HMMA", "LDSM", "MUFU", "BAR", "LDGSTS", "STL", "LDL")
+
+
+def nvdisasm() -> str:
+    found = os.environ.get("NVDISASM") or shutil.which("nvdisasm")
+    if found:
+        return found
+    try:
+        import nvidia
+
+        for root in nvidia.__path__:
+            for cand in Path(root).glob("cu*/bin/nvdisasm"):
+                return str(cand)
+    except ImportError:
+        pass
+    sys.exit("nvdisasm not found: set NVDISASM, or put it on PATH (see this module's doc)")
+
+
+def loops(sass: str):
+    """[(start, end, Counter of opcodes)] of every backward branch's span."""
+    insns, labels, pending = [], {}, []
+    for line in sass.splitlines():
+        m = _LABEL.match(line)
+        if m:
+            pending.append(m.group(1))
+            continue
+        m = _INSN.match(line)
+        if m:
+            addr = int(m.group(1), 16)
+            for label in pending:
+                labels[label] = addr
+            pending = []
+            insns.append((addr, m.group(2), m.group(3)))
+    spans = sorted({(labels[t.group(1)], addr) for addr, op, rest in insns
+                    if op == "BRA" and (t := _TARGET.search(rest)) and t.group(1) in labels
+                    and labels[t.group(1)] <= addr})
+    return [(s, e, collections.Counter(op for a, op, _ in insns if s <= a <= e))
+            for s, e in spans]
+
+
+def report(cubin: Path, all_loops: bool) -> str:
+    sass = subprocess.run([nvdisasm(), "-c", str(cubin)], capture_output=True, text=True,
+                          check=True).stdout
+    ops = collections.Counter(m.group(2) for m in map(_INSN.match, sass.splitlines()) if m)
+    lines = [f"  kernel: {sum(ops.values())} instructions, STL {ops['STL']}, LDL {ops['LDL']}"]
+    for s, e, c in loops(sass):
+        if all_loops or c["HMMA"]:
+            counts = " ".join(f"{k}={c[k]}" for k in COUNTED)
+            lines.append(f"  loop {s:#x}-{e:#x}: {sum(c.values())} instructions {counts}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", default="sm_90")
+    ap.add_argument("--head-dims", default=None)
+    ap.add_argument("--groups", default="4")
+    ap.add_argument("--features", default="")
+    ap.add_argument("--dtypes", default="bfloat16")
+    ap.add_argument("--all-loops", action="store_true", help="also loops without MMAs")
+    ap.add_argument("--keep", default=None, help="copy each cubin into this folder")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a" if args.arch == "sm_90" else args.arch)
+    from podcute.compile import compile_variant, shipped_variants
+
+    head_dims = [int(d) for d in args.head_dims.split(",")] if args.head_dims else None
+    keys = shipped_variants(args.arch, head_dims=head_dims,
+                            groups=tuple(int(g) for g in args.groups.split(",")),
+                            features=tuple(args.features.split(",")),
+                            dtypes=args.dtypes.split(","))
+    # compile.py dumps every variant of a process under the same folder and file names
+    dump = Path(tempfile.gettempdir()) / "podcute-ptx" / str(os.getpid())
+    for key in keys:
+        shutil.rmtree(dump, ignore_errors=True)
+        compile_variant(key, keep_ptx=True)
+        c = key.config
+        name = (f"{c.dtype}_d{c.head_dim}_g{c.group}_causal{int(c.causal)}_lse{int(c.has_lse)}"
+                f"{'_' + c.features if c.features else ''}")
+        cubin = next(dump.glob("*.cubin"))
+        if args.keep:
+            Path(args.keep).mkdir(parents=True, exist_ok=True)
+            shutil.copy(cubin, Path(args.keep) / f"{name}.cubin")
+        print(f"{name} (tile_m_prefill {c.tile_m_prefill}, {c.num_stages} stages)")
+        print(report(cubin, args.all_loops), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
