@@ -15,11 +15,21 @@
 # fills it on a CPU machine), runs the steps in order (each under a timeout), and writes
 # logs and JSON under $OUT. Env: PODCUTE_GPU_RANDOM (kernel sweep size, default 200),
 # PODCUTE_GRAPH_PAIRS (default 60), BENCH_ARGS (extra perf.bench arguments), DEADLINE_S
-# (seconds for all steps; later steps are cut short or skipped), PYTEST_ADDOPTS (e.g. a
-# per-test --timeout, so a hung launch fails its test instead of the whole step).
+# (seconds for all steps; later steps are cut short or skipped; default 560, inside a
+# device call's 600), PYTEST_ADDOPTS (e.g. a per-test --timeout, so a hung launch fails
+# its test instead of the whole step).
+#
+# What comes back is one archive, $OUT/results.tgz (the device returns at most 8 files),
+# rewritten after every step: a call killed at its limit still returns the steps it
+# finished. The steps write into a scratch folder (OUT below, exported to them).
 set -u
-OUT=${OUT:-/tmp/podcute-out}
-mkdir -p "$OUT"
+DEST=${OUT:-/tmp/podcute-out}
+mkdir -p "$DEST"
+OUT=$(mktemp -d /tmp/podcute-work.XXXXXX)
+export OUT
+pack() {  # every step's logs and JSON so far -> $DEST/results.tgz (replaced whole)
+  tar czf "$DEST/.results.tgz" -C "$OUT" . && mv "$DEST/.results.tgz" "$DEST/results.tgz"
+}
 source .device/gpu-env.sh
 pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1
 export PODCUTE_CACHE_DIR=${PODCUTE_CACHE_DIR:-$PWD/.device/pcache} PODCUTE_COMPILE_LOG=$OUT/compiles.log
@@ -32,13 +42,14 @@ if ! python -c "import podcute.layouts" 2>>"$OUT/install.log"; then
   ln -sfn ../layouts podcute/layouts
 fi
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader | tee "$OUT/gpu.txt"
+pack
 
 NCU_SECTIONS=(--section SpeedOfLight --section WarpStateStats --section ComputeWorkloadAnalysis
   --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats
   --section InstructionStats --metrics "${NCU_METRICS:-sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__cycles_active.avg.pct_of_peak_sustained_elapsed}")
 status=0
-DEADLINE=${DEADLINE_S:-100000}  # seconds for all steps: a device call has a hard limit, and
-                                # the archive below must still be written
+DEADLINE=${DEADLINE_S:-560}  # seconds for all steps: a device call has a hard limit, and
+                             # the archive must still be written
 step() {  # step NAME SECONDS CMD...: run, log, record the exit code
   local name=$1 secs=$2; shift 2
   local left=$((DEADLINE - SECONDS - 15))
@@ -51,6 +62,7 @@ step() {  # step NAME SECONDS CMD...: run, log, record the exit code
   tail -n 12 "$OUT/$name.log"
   echo "=== $name rc=$rc $((SECONDS - t0))s" | tee -a "$OUT/summary.txt"
   [ $rc -eq 0 ] || status=1
+  pack
   return $rc
 }
 
@@ -123,7 +135,5 @@ for s in "$@"; do
     *) echo "unknown step $s"; status=2 ;;
   esac
 done
-# The device returns at most 8 files: pack everything into one archive.
-(cd "$OUT" && tar czf /tmp/podcute-results.tgz --exclude results.tgz . && \
-  find . -mindepth 1 -delete && mv /tmp/podcute-results.tgz results.tgz)
+pack
 exit $status
