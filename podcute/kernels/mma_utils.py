@@ -110,8 +110,6 @@ def warp_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCr
         cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
 
 
-
-
 def column_groups(acc: cute.Tensor, tCrB: cute.Tensor, groups: int):
     """(acc, B fragment) viewed as (V, M, (n, group)) and (V, (n, group), K): `groups`
     runs of consecutive MMA_N columns, group g being the columns that mode 1 index g of
