@@ -20,7 +20,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 _INSN = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)([^;]*);")
@@ -88,16 +87,14 @@ def main(argv=None) -> int:
     ap.add_argument("--all-loops", action="store_true", help="also loops without MMAs")
     ap.add_argument("--keep", default=None, help="copy each cubin into this folder")
     args = ap.parse_args(argv)
-    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a" if args.arch == "sm_90" else args.arch)
-    from podcute.compile import compile_variant, shipped_variants
+    from podcute.compile import compile_variant, ptx_dump_dir, shipped_variants
 
     head_dims = [int(d) for d in args.head_dims.split(",")] if args.head_dims else None
     keys = shipped_variants(args.arch, head_dims=head_dims,
                             groups=tuple(int(g) for g in args.groups.split(",")),
                             features=tuple(args.features.split(",")),
                             dtypes=args.dtypes.split(","))
-    # compile.py dumps every variant of a process under the same folder and file names
-    dump = Path(tempfile.gettempdir()) / "podcute-ptx" / str(os.getpid())
+    dump = ptx_dump_dir()  # (every variant's dump has the same file names: cleared first)
     for key in keys:
         shutil.rmtree(dump, ignore_errors=True)
         compile_variant(key, keep_ptx=True)

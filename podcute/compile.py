@@ -292,13 +292,18 @@ def _compile(key: VariantKey, keep_ptx: bool):
     # The target comes with each compile (one process may build several architectures).
     options = f"--enable-tvm-ffi --gpu-arch {key.arch}"
     if keep_ptx:  # kept in memory (__ptx__); the dump itself goes to a scratch folder
-        # One folder per process: the dumps of every variant share a file name, and
-        # parallel compiles (compile_many) would read each other's half-written files.
-        scratch = Path(tempfile.gettempdir()) / "podcute-ptx" / str(os.getpid())
+        scratch = ptx_dump_dir()
         scratch.mkdir(parents=True, exist_ok=True)
         options += f" --keep-ptx --keep-cubin --dump-dir {scratch}"
     pod = cute.compile(kernel_class(key.config)(key.config), *pod_args, options=options)
     return pod
+
+
+def ptx_dump_dir() -> Path:
+    """Where a `keep_ptx` compile of this process dumps its PTX and cubin. One folder per
+    process: the dumps of every variant share file names, and parallel compiles
+    (compile_many) would read each other's half-written files."""
+    return Path(tempfile.gettempdir()) / "podcute-ptx" / str(os.getpid())
 
 
 def kernel_class(config: KernelConfig):

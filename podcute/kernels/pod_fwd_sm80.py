@@ -513,15 +513,15 @@ class PodAttentionSm80(PodKernelBase):
                 if const_expr(h == halves - 1):
                     self.scores_done(kv, item, n_block, n_max)
                 if busy:
+                    tOsVt = f.tOsVt[h][None, None, None, stage]
                     # (two blocks at D > 64: a K block of V's fragments is 24-32 registers;
                     # two of them in flight beside O of 32 rows spilled)
                     if const_expr(m_blocks > 1 and self.head_dim > 64):
                         warp_gemm_by_columns(f.tiled_mma_pv, f.acc_O, f.tOrP, f.tOrVt,
-                                             f.copy_v, f.tOsVt[h][None, None, None, stage],
-                                             f.tOrVt_copy)
+                                             f.copy_v, tOsVt, f.tOrVt_copy)
                     else:
                         warp_gemm(f.tiled_mma_pv, f.acc_O, f.tOrP, f.tOrVt, None, None, None,
-                                  f.copy_v, f.tOsVt[h][None, None, None, stage], f.tOrVt_copy)
+                                  f.copy_v, tOsVt, f.tOrVt_copy)
             self.tile_done(kv, item, n_block, n_max, stage)
 
     # ---- the K/V pipeline (both tile loops) -------------------------------------------
