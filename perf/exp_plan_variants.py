@@ -3,12 +3,16 @@ with the cost model's default and with its prefill MMA efficiency set to 0.3-0.5
 warp-level kernel's default is `CostModel.warp_mma_efficiency`), each timed in one
 process, the default twice (first and last: the run-to-run spread); outputs compared
 with the first plan's; "grouped" is the ninth session's regrouping (`exp_group_kinds`:
-even lists prefill items first, odd lists decode items first).
+even lists prefill items first, odd lists decode items first). `--set chunks` instead
+pre-splits each kind into 2-4 pieces per CTA (`CostModel.chunks_per_cta`, default 1): a
+finer interleave of the kinds in every list, for more partials and merges; `--set
+coarse` the other way: every split piece and cut of at least 8, 16 or 32 us of work
+(`CostModel.min_chunk_us`, default 4): fewer partials and merges.
 
-    PODCUTE_ARCH=sm_90 python -m perf.exp_plan_variants [PAGE]
+    PODCUTE_ARCH=sm_90 python -m perf.exp_plan_variants [PAGE] [--set efficiency|chunks|coarse]
 """
+import argparse
 import dataclasses
-import sys
 
 import torch
 
@@ -20,28 +24,40 @@ from podcute import PODAttention
 from podcute.testing import make_batch
 
 
-def with_costs(eff=None, bw=None):
-    """CostModel.for_kernel with the prefill MMA efficiency / decode bandwidth replaced."""
+def with_costs(eff=None, bw=None, chunks=None, min_chunk=None):
+    """CostModel.for_kernel with the prefill MMA efficiency / decode bandwidth / pieces
+    per CTA / smallest piece replaced."""
     def for_kernel(self, kernel):
         m = ORIG_FOR_KERNEL(self, kernel)
         if eff is not None:
             m = dataclasses.replace(m, mma_efficiency=eff)
         if bw is not None:
             m = dataclasses.replace(m, decode_sm_bandwidth=bw)
+        if chunks is not None:
+            m = dataclasses.replace(m, chunks_per_cta=chunks)
+        if min_chunk is not None:
+            m = dataclasses.replace(m, min_chunk_us=min_chunk)
         return m
     return for_kernel
 
 
 ORIG_FOR_KERNEL = P.CostModel.for_kernel
-VARIANTS = [("default", {}), ("grouped", {}), ("eff0.3", dict(eff=0.3)),
-            ("eff0.4", dict(eff=0.4)), ("eff0.45", dict(eff=0.45)), ("eff0.5", dict(eff=0.5)),
-            ("eff0.55", dict(eff=0.55)), ("default2", {})]
+VARIANT_SETS = {
+    "efficiency": [("default", {}), ("grouped", {}), ("eff0.3", dict(eff=0.3)),
+                   ("eff0.4", dict(eff=0.4)), ("eff0.45", dict(eff=0.45)),
+                   ("eff0.5", dict(eff=0.5)), ("eff0.55", dict(eff=0.55)), ("default2", {})],
+    "chunks": [("default", {}), ("chunks2", dict(chunks=2)), ("chunks3", dict(chunks=3)),
+               ("chunks4", dict(chunks=4)), ("default2", {})],
+    # fewer pieces: every split piece and cut >= 8 / 16 / 32 us of work
+    "coarse": [("default", {}), ("min8", dict(min_chunk=8.0)), ("min16", dict(min_chunk=16.0)),
+               ("min32", dict(min_chunk=32.0)), ("default2", {})],
+}
 SWEEP = [W.mixed(f"S{c}+{n}@{x}", [(c, c)], n, x) for c, n, x in
          ((512, 64, 4096), (2048, 16, 16384), (8192, 256, 1024), (4096, 128, 4096),
           (1024, 256, 4096))]
 
 
-def main(page: int) -> int:
+def main(page: int, variants) -> int:
     for w in list(W.MAIN) + SWEEP:
         if w.kind in ("decode", "prefill"):
             continue
@@ -49,7 +65,7 @@ def main(page: int) -> int:
                        num_kv_heads=w.num_kv_heads, head_dim=w.head_dim, page_size=page,
                        device="cuda", pool_factor=1.1, garbage=0.0)
         ref, line = None, []
-        for name, kw in VARIANTS:
+        for name, kw in variants:
             P.CostModel.for_kernel = with_costs(**kw)
             try:
                 attn = PODAttention(w.num_qo_heads, w.num_kv_heads, w.head_dim, page,
@@ -72,4 +88,8 @@ def main(page: int) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(int(sys.argv[1]) if len(sys.argv) > 1 else 16))
+    p = argparse.ArgumentParser()
+    p.add_argument("page", nargs="?", type=int, default=16)
+    p.add_argument("--set", choices=sorted(VARIANT_SETS), default="efficiency")
+    args = p.parse_args()
+    raise SystemExit(main(args.page, VARIANT_SETS[args.set]))
