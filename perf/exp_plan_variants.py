@@ -24,33 +24,23 @@ from podcute import PODAttention
 from podcute.testing import make_batch
 
 
-def with_costs(eff=None, bw=None, chunks=None, min_chunk=None):
-    """CostModel.for_kernel with the prefill MMA efficiency / decode bandwidth / pieces
-    per CTA / smallest piece replaced."""
+def with_costs(**fields):
+    """CostModel.for_kernel with the named CostModel fields replaced."""
     def for_kernel(self, kernel):
-        m = ORIG_FOR_KERNEL(self, kernel)
-        if eff is not None:
-            m = dataclasses.replace(m, mma_efficiency=eff)
-        if bw is not None:
-            m = dataclasses.replace(m, decode_sm_bandwidth=bw)
-        if chunks is not None:
-            m = dataclasses.replace(m, chunks_per_cta=chunks)
-        if min_chunk is not None:
-            m = dataclasses.replace(m, min_chunk_us=min_chunk)
-        return m
+        return dataclasses.replace(ORIG_FOR_KERNEL(self, kernel), **fields)
     return for_kernel
 
 
 ORIG_FOR_KERNEL = P.CostModel.for_kernel
 VARIANT_SETS = {
-    "efficiency": [("default", {}), ("grouped", {}), ("eff0.3", dict(eff=0.3)),
-                   ("eff0.4", dict(eff=0.4)), ("eff0.45", dict(eff=0.45)),
-                   ("eff0.5", dict(eff=0.5)), ("eff0.55", dict(eff=0.55)), ("default2", {})],
-    "chunks": [("default", {}), ("chunks2", dict(chunks=2)), ("chunks3", dict(chunks=3)),
-               ("chunks4", dict(chunks=4)), ("default2", {})],
+    "efficiency": [("default", {}), ("grouped", {})]
+    + [(f"eff{e}", dict(mma_efficiency=e)) for e in (0.3, 0.4, 0.45, 0.5, 0.55)]
+    + [("default2", {})],
+    "chunks": [("default", {})] + [(f"chunks{c}", dict(chunks_per_cta=c)) for c in (2, 3, 4)]
+    + [("default2", {})],
     # fewer pieces: every split piece and cut >= 8 / 16 / 32 us of work
-    "coarse": [("default", {}), ("min8", dict(min_chunk=8.0)), ("min16", dict(min_chunk=16.0)),
-               ("min32", dict(min_chunk=32.0)), ("default2", {})],
+    "coarse": [("default", {})] + [(f"min{m}", dict(min_chunk_us=float(m))) for m in (8, 16, 32)]
+    + [("default2", {})],
 }
 SWEEP = [W.mixed(f"S{c}+{n}@{x}", [(c, c)], n, x) for c, n, x in
          ((512, 64, 4096), (2048, 16, 16384), (8192, 256, 1024), (4096, 128, 4096),
