@@ -30,11 +30,13 @@ from perf import workloads as W
 from perf.exp_plan_variants import SWEEP
 import podcute.plan as P
 from podcute.kernels.metadata import MergeCol, WorkCol
+from podcute.kernels.split_merge import COLS_PER_THREAD
 from podcute.testing import make_batch
 
 PAGE = 16
 A_US, PIECE_US = 0.15, 0.25  # the fit (--fit): one L2 round trip, one piece's extra cost
-ROWS_PER_PASS = 4  # 128 threads, 4 columns each, D 128
+ROWS_PER_PASS = 128 // (128 // COLS_PER_THREAD)  # the warp kernel's 128 threads, D 128
+ONE_SWEEP_SPLITS = 2  # splits whose loads the one-sweep merge has in flight
 # Fused GPU ms at page 16 with chunks_per_cta 1-4 (H200, PODCUTE_ARCH=sm_90, session 22;
 # chunks 1: the mean of its two runs).
 MEASURED = {
@@ -51,7 +53,7 @@ def round_trips(rows: int, splits: int, scheme: str) -> int:
     passes = math.ceil(rows / ROWS_PER_PASS)
     if scheme == "two_pass":
         return passes * (2 * splits + 1)
-    return passes * math.ceil(splits / 2)
+    return passes * math.ceil(splits / ONE_SWEEP_SPLITS)
 
 
 @dataclasses.dataclass
@@ -77,11 +79,11 @@ class PlanShape:
         for c in range(grid):
             done_at[ptr[c]:ptr[c + 1]] = np.cumsum(item_us[ptr[c]:ptr[c + 1]])
         slot = plan.work.numpy()[:, WorkCol.SPLIT_SLOT]
-        slot_merge = plan.slot_merge.numpy()
+        split_rows = np.nonzero(slot >= 0)[0]
+        merge_of = plan.slot_merge.numpy()[slot[split_rows]]  # each split row's group
         merges = []
         for m, row in enumerate(plan.merge.numpy()):
-            pieces = np.nonzero(slot >= 0)[0]
-            pieces = pieces[slot_merge[slot[pieces]] == m]
+            pieces = split_rows[merge_of == m]
             last = pieces[np.argmax(done_at[pieces])]
             merges.append((cta[last], int(row[MergeCol.ROW_END] - row[MergeCol.ROW_START]),
                            int(row[MergeCol.NUM_SPLITS])))
@@ -133,7 +135,8 @@ def fit() -> None:
 def predict() -> None:
     print("workload | measured (merge as before) | modelled with the one-sweep merge")
     for name, ts in MEASURED.items():
-        shape = PlanShape.of(workload(name), batch_of(workload(name)))
+        w = workload(name)
+        shape = PlanShape.of(w, batch_of(w))
         before, now = shape.launch_us("two_pass"), shape.launch_us("one_sweep")
         print(f"{name} | {ts[0]:.3f} | {ts[0] * now / before:.3f}")
 
