@@ -26,8 +26,10 @@ BOTH = "bfloat16,float16"  # the shipped set is bf16; the feature check covers f
 # tile loop, 2 reloads a tile at D 128 G 4-8 non-causal, none in the causal ones, 4
 # stores and 4 loads (the row sums) at G 1, 9 reloads with every model feature, of
 # ~1500-1650 instructions; the rest is per-item code (the split items' fold, the
-# epilogue). The targets with 64-row items spill nothing.
-SPILL_ALLOWANCE = {"sm_90": {"shipped": 64, "features": 104, "ragged": 64}}
+# epilogue; with every model feature one more store an item since the one-sweep split
+# merge, its tile loops' local memory unchanged). The targets with 64-row items spill
+# nothing.
+SPILL_ALLOWANCE = {"sm_90": {"shipped": 64, "features": 108, "ragged": 64}}
 
 
 def _compile(arch: str, *args) -> subprocess.CompletedProcess:

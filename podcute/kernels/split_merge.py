@@ -18,6 +18,15 @@ from podcute.kernels.barriers import barrier_or
 from podcute.kernels.metadata import MergeCol
 
 COLS_PER_THREAD = 4
+# A merge is bound by load latency, not bytes (a 128-row group of two splits is 128 KB,
+# about a microsecond of an SM's L2 bandwidth). Read a split and a row at a time, its LSE
+# maximum first, it took 5 dependent L2 round trips a row pass (~25 us for 128 rows on
+# 4 warps, which the fused launch's split pieces paid: docs/performance.md). So one
+# sweep, rescaling as the maximum grows (the online softmax's step), with the LSE and
+# partials of SPLITS_IN_FLIGHT splits loaded before any is used: one round trip a pass
+# for two splits. (More rows or splits in flight moved ptxas's register allocation of
+# the warp kernel's tile loops on sm_90, which sit at its 255-register limit.)
+SPLITS_IN_FLIGHT = 2
 
 
 @cute.jit
@@ -39,50 +48,74 @@ def merge_group(
 ):
     """Merge the partials of packed rows [row_start, row_start + n_rows) into out (+ lse).
 
-    A thread handles COLS_PER_THREAD columns of one row per pass (threads past the last
-    whole row of a pass idle: D 96 leaves some).
+    A thread handles COLS_PER_THREAD columns of one row a pass (threads past the last
+    whole row of a pass idle: D 96 leaves some), over the splits SPLITS_IN_FLIGHT at a
+    time, in slot order. With at most SPLITS_IN_FLIGHT splits the sums are the two-pass
+    merge's, operation for operation (the maximum is known before any weight).
     """
     threads_per_row = head_dim // COLS_PER_THREAD
     rows_per_pass = num_threads // threads_per_row
     col0 = (tidx % threads_per_row) * COLS_PER_THREAD
-    acc = cute.make_rmem_tensor(COLS_PER_THREAD, Float32)
-    for row0 in cutlass.range(0, n_rows, rows_per_pass, unroll=1):
-        row = row0 + tidx // threads_per_row
-        if row < n_rows and tidx < rows_per_pass * threads_per_row:
-            lse_max = -Float32.inf
-            sink = -Float32.inf
-            if const_expr(mSinks is not None):
-                sink = mSinks[layouts.packed_head(row_start + row, kv_head, group)]
-                lse_max = sink
-            for s in cutlass.range(num_splits, unroll=1):
-                split_lse = layouts.partial_lse(mPartialLSE, first_slot + s)[row]
-                lse_max = cutlass.max(lse_max, split_lse)
-            # All -inf: the row saw no key at all; shift by 0 so weights are exact 0.
-            shift = lse_max
-            if lse_max == -Float32.inf:
-                shift = Float32(0.0)
-            acc.fill(0.0)
-            total = Float32(0.0)
-            if const_expr(mSinks is not None):
-                total = cute.math.exp(sink - shift, fastmath=True)
-            for s in cutlass.range(num_splits, unroll=1):
-                w = cute.math.exp(layouts.partial_lse(mPartialLSE, first_slot + s)[row] - shift,
-                                  fastmath=True)
-                total = total + w
-                gPartial = layouts.partial_rows(mPartialO, first_slot + s)
-                for j in cutlass.range_constexpr(COLS_PER_THREAD):
-                    acc[j] = acc[j] + w * gPartial[row, col0 + j]
-            inv = Float32(0.0)
-            if total > Float32(0.0):
-                inv = Float32(1.0) / total
-            for j in cutlass.range_constexpr(COLS_PER_THREAD):
-                gO[row_start + row, col0 + j] = (acc[j] * inv).to(gO.element_type)
-            if const_expr(gLSE is not None):
-                if tidx % threads_per_row == 0:
-                    row_lse = -Float32.inf
-                    if total > Float32(0.0):
-                        row_lse = shift + cute.math.log(total, fastmath=True)
-                    gLSE[row_start + row] = row_lse
+    S, C = SPLITS_IN_FLIGHT, COLS_PER_THREAD
+    split_lse = cute.make_rmem_tensor(S, Float32)
+    part = cute.make_rmem_tensor((S, C), Float32)
+    acc = cute.make_rmem_tensor(C, Float32)
+    if tidx < rows_per_pass * threads_per_row:
+        for row0 in cutlass.range(0, n_rows, rows_per_pass, unroll=1):
+            row = row0 + tidx // threads_per_row
+            if row < n_rows:
+                # Running maximum (the sink's logit counts as one more term) and the
+                # sums scaled by it; -inf: no term yet, whose sums are 0.
+                row_max = -Float32.inf
+                total = Float32(0.0)
+                if const_expr(mSinks is not None):
+                    row_max = mSinks[layouts.packed_head(row_start + row, kv_head, group)]
+                    if row_max != -Float32.inf:
+                        total = Float32(1.0)  # exp(sink - sink)
+                acc.fill(0.0)
+                for s0 in cutlass.range(0, num_splits, S, unroll=1):
+                    for k in cutlass.range_constexpr(S):
+                        # (a split past the last: lse -inf, weight 0, partial read as 0,
+                        # since 0 * an unset register could be NaN)
+                        split_lse[k] = -Float32.inf
+                        part[k, None].fill(0.0)
+                        if s0 + k < num_splits:
+                            slot = first_slot + s0 + k
+                            split_lse[k] = layouts.partial_lse(mPartialLSE, slot)[row]
+                            gPartial = layouts.partial_rows(mPartialO, slot)
+                            for j in cutlass.range_constexpr(C):
+                                part[k, j] = gPartial[row, col0 + j]
+                    new_max = row_max
+                    for k in cutlass.range_constexpr(S):
+                        new_max = cutlass.max(new_max, split_lse[k])
+                    # All -inf so far: shift by 0 so weights are exact 0.
+                    shift = new_max
+                    if new_max == -Float32.inf:
+                        shift = Float32(0.0)
+                    if row_max != new_max:
+                        scale = Float32(0.0)  # (from -inf: the sums are 0)
+                        if row_max != -Float32.inf:
+                            scale = cute.math.exp(row_max - shift, fastmath=True)
+                        total = total * scale
+                        for j in cutlass.range_constexpr(C):
+                            acc[j] = acc[j] * scale
+                    row_max = new_max
+                    for k in cutlass.range_constexpr(S):
+                        w = cute.math.exp(split_lse[k] - shift, fastmath=True)
+                        total = total + w
+                        for j in cutlass.range_constexpr(C):
+                            acc[j] = acc[j] + w * part[k, j]
+                inv = Float32(0.0)
+                if total > Float32(0.0):
+                    inv = Float32(1.0) / total
+                for j in cutlass.range_constexpr(C):
+                    gO[row_start + row, col0 + j] = (acc[j] * inv).to(gO.element_type)
+                if const_expr(gLSE is not None):
+                    if tidx % threads_per_row == 0:
+                        row_lse = -Float32.inf
+                        if total > Float32(0.0):
+                            row_lse = row_max + cute.math.log(total, fastmath=True)
+                        gLSE[row_start + row] = row_lse
 
 
 @cute.jit
