@@ -15,8 +15,9 @@ twenty-second session measured with 1-4 pre-split pieces a list (`perf.exp_plan_
 16 --set chunks`, docs/performance.md), where the cost model without merges predicts no
 change and the launch slowed by up to 30 %. `--fit` redoes the fit; by default the script
 predicts, from each workload's measured default time, its time with the one-sweep merge
-(two splits' LSE and partials in flight: commit c8d7e00, branch `exp/fast-merge` until its
-GPU run).
+(two splits' LSE and partials in flight, `split_merge.COLS_PER_THREAD` columns a thread).
+Measured on the H200 (session 24, docs/performance.md): the one sweep at 4 columns gained
+1-4 %, about half of what this model predicted for it; 8 columns a thread 0.3-2.8 % more.
 
     python -m perf.merge_model [--fit]
 """
@@ -35,7 +36,9 @@ from podcute.testing import make_batch
 
 PAGE = 16
 A_US, PIECE_US = 0.15, 0.25  # the fit (--fit): one L2 round trip, one piece's extra cost
-ROWS_PER_PASS = 128 // (128 // COLS_PER_THREAD)  # the warp kernel's 128 threads, D 128
+# Rows a pass on the warp kernel's 128 threads at D 128: the two-pass merge (session 22's
+# times) gave a thread 4 columns; the one-sweep merge COLS_PER_THREAD.
+ROWS_PER_PASS = {"two_pass": 128 // (128 // 4), "one_sweep": 128 // (128 // COLS_PER_THREAD)}
 ONE_SWEEP_SPLITS = 2  # splits whose loads the one-sweep merge has in flight
 # Fused GPU ms at page 16 with chunks_per_cta 1-4 (H200, PODCUTE_ARCH=sm_90, session 22;
 # chunks 1: the mean of its two runs).
@@ -50,7 +53,7 @@ def round_trips(rows: int, splits: int, scheme: str) -> int:
     """Dependent L2 round trips of one merge: `two_pass` (main's: each split's LSE for
     the maximum, then each split's LSE and partial, one split at a time, then the
     store), `one_sweep` (two splits' LSE and partials loaded together)."""
-    passes = math.ceil(rows / ROWS_PER_PASS)
+    passes = math.ceil(rows / ROWS_PER_PASS[scheme])
     if scheme == "two_pass":
         return passes * (2 * splits + 1)
     return passes * math.ceil(splits / ONE_SWEEP_SPLITS)

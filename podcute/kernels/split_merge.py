@@ -17,15 +17,17 @@ from podcute import layouts
 from podcute.kernels.barriers import barrier_or
 from podcute.kernels.metadata import MergeCol
 
-COLS_PER_THREAD = 4
 # A merge is bound by load latency, not bytes (a 128-row group of two splits is 128 KB,
 # about a microsecond of an SM's L2 bandwidth). Read a split and a row at a time, its LSE
 # maximum first, it took 5 dependent L2 round trips a row pass (~25 us for 128 rows on
 # 4 warps, which the fused launch's split pieces paid: docs/performance.md). So one
 # sweep, rescaling as the maximum grows (the online softmax's step), with the LSE and
 # partials of SPLITS_IN_FLIGHT splits loaded before any is used: one round trip a pass
-# for two splits. (More rows or splits in flight moved ptxas's register allocation of
-# the warp kernel's tile loops on sm_90, which sit at its 255-register limit.)
+# for two splits; and 8 columns a thread, 8 rows a pass at D 128 (4 columns took twice
+# the passes: 1.6-2.8 % of M1/M5/P1's fused time on the H200). (More splits or rows in
+# flight moved ptxas's register allocation of the warp kernel's tile loops on sm_90,
+# which sit at its 255-register limit; these two leave them as they were.)
+COLS_PER_THREAD = 8
 SPLITS_IN_FLIGHT = 2
 
 
