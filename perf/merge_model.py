@@ -31,15 +31,14 @@ from perf import workloads as W
 from perf.exp_plan_variants import SWEEP
 import podcute.plan as P
 from podcute.kernels.metadata import MergeCol, WorkCol
-from podcute.kernels.split_merge import COLS_PER_THREAD
+from podcute.kernels.split_merge import COLS_PER_THREAD, SPLITS_IN_FLIGHT
 from podcute.testing import make_batch
 
 PAGE = 16
 A_US, PIECE_US = 0.15, 0.25  # the fit (--fit): one L2 round trip, one piece's extra cost
-# Rows a pass on the warp kernel's 128 threads at D 128: the two-pass merge (session 22's
-# times) gave a thread 4 columns; the one-sweep merge COLS_PER_THREAD.
-ROWS_PER_PASS = {"two_pass": 128 // (128 // 4), "one_sweep": 128 // (128 // COLS_PER_THREAD)}
-ONE_SWEEP_SPLITS = 2  # splits whose loads the one-sweep merge has in flight
+# Rows a pass at D 128 on the warp kernel's 128 threads (128 / (128 / columns a thread),
+# so the columns a thread): the two-pass merge of session 22's times gave a thread 4.
+ROWS_PER_PASS = {"two_pass": 4, "one_sweep": COLS_PER_THREAD}
 # Fused GPU ms at page 16 with chunks_per_cta 1-4 (H200, PODCUTE_ARCH=sm_90, session 22;
 # chunks 1: the mean of its two runs).
 MEASURED = {
@@ -50,13 +49,13 @@ MEASURED = {
 
 
 def round_trips(rows: int, splits: int, scheme: str) -> int:
-    """Dependent L2 round trips of one merge: `two_pass` (main's: each split's LSE for
-    the maximum, then each split's LSE and partial, one split at a time, then the
-    store), `one_sweep` (two splits' LSE and partials loaded together)."""
+    """Dependent L2 round trips of one merge: `two_pass` (before session 24: each split's
+    LSE for the maximum, then each split's LSE and partial, one split at a time, then
+    the store), `one_sweep` (SPLITS_IN_FLIGHT splits' LSE and partials loaded together)."""
     passes = math.ceil(rows / ROWS_PER_PASS[scheme])
     if scheme == "two_pass":
         return passes * (2 * splits + 1)
-    return passes * math.ceil(splits / ONE_SWEEP_SPLITS)
+    return passes * math.ceil(splits / SPLITS_IN_FLIGHT)
 
 
 @dataclasses.dataclass

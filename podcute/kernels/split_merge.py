@@ -26,7 +26,7 @@ from podcute.kernels.metadata import MergeCol
 # for two splits; and 8 columns a thread, 8 rows a pass at D 128 (4 columns took twice
 # the passes: 1.6-2.8 % of M1/M5/P1's fused time on the H200). (More splits or rows in
 # flight moved ptxas's register allocation of the warp kernel's tile loops on sm_90,
-# which sit at its 255-register limit; these two leave them as they were.)
+# which sit at its 255-register limit; these two leave their local memory as it was.)
 COLS_PER_THREAD = 8
 SPLITS_IN_FLIGHT = 2
 
