@@ -52,8 +52,8 @@ import torch
 
 from podcute import plan_native
 from podcute.kernels.config import SUPPORTED_PAGE_SIZES, KernelConfig
-from podcute.kernels.metadata import (KIND_BITS, MERGE_COLS, NUM_PARAMS, WORK_COLS, IParam,
-                                      Kind, MergeCol, Param, WorkCol)
+from podcute.kernels.metadata import (KIND_BITS, KIND_MASK, MERGE_COLS, NUM_PARAMS, WORK_COLS,
+                                      IParam, Kind, MergeCol, Param, WorkCol, sm_list_words)
 from podcute.kernels.visibility import load_start_host, visible_end_host
 
 _ALIGN = 16  # int32 elements: metadata segments start on 64-byte boundaries
@@ -463,6 +463,7 @@ class Layout(NamedTuple):
     n0d: int  # decode groups
     n_prefill_req: int
     n_decode_req: int
+    order: np.ndarray | None = None  # where each row went when the lists were grouped
 
 
 @dataclass(frozen=True)
@@ -612,9 +613,11 @@ class Planner:
     """Owns the buffers of one attention configuration and fills them per batch.
 
     ``grid = num_sms * kernel.ctas_per_sm`` is fixed per planner (lists ``s``,
-    ``s + num_sms``, ... share SM ``s`` in a blockIdx launch). Within an SM, and between
-    neighbouring SMs when an SM runs one CTA, lists alternate the kind they start with, so
-    at any moment both kinds run across the chip.
+    ``s + num_sms``, ... are SM ``s``'s: the warp-level kernel's CTAs take them by the SM
+    they run on, `IParam.LISTS_BY_SM`; the sm_90a kernel runs one CTA an SM). Within an
+    SM, and between neighbouring SMs when an SM runs one CTA, lists alternate the kind
+    they start with, so at any moment both kinds run across the chip; at two CTAs an SM
+    each list runs its kinds one after the other (`_group_lists`).
 
     Capacities: ``max_batch_size`` requests, ``max_num_tokens`` query tokens and
     ``max_num_pages`` page-list entries (a block table costs B x the most pages any of its
@@ -676,6 +679,12 @@ class Planner:
         lists = np.arange(self.grid)
         slot = lists // self.num_sms if kernel.ctas_per_sm > 1 else lists
         self._odd = (slot & 1).astype(bool)
+        # The warp-level kernel at two CTAs an SM: its CTAs take lists s, s + num_sms by
+        # the SM they run on (metadata.IParam.LISTS_BY_SM), and in a batch of both kinds
+        # each list runs its kinds one after the other (`_group_lists`), so that the CTAs
+        # of an SM run different kinds, where a block scheduler's placement paired lists
+        # at random and interleaved lists put two prefill items on one SM as often.
+        self._pair_by_sm = kernel.warp_mma and kernel.ctas_per_sm == 2
 
     # ---- buffers ------------------------------------------------------------------------
 
@@ -739,7 +748,9 @@ class Planner:
         self._staging = self._staging_t.numpy()
         self._page_staging = self._page_staging_t.numpy()
         self._segs = segs
-        self._merge_sem = torch.zeros(cap.merges, dtype=torch.int32, device=dev)
+        # (+ the words with which the warp-level kernel's CTAs take their lists by SM)
+        self._merge_sem = torch.zeros(cap.merges + sm_list_words(grid, self.num_sms),
+                                      dtype=torch.int32, device=dev)
         D, tm = cfg.head_dim, cfg.kernel.partial_rows
         self._partial_o = torch.empty(cap.slots, tm, D, dtype=torch.float32, device=dev)
         self._partial_lse = torch.empty(cap.slots, tm, dtype=torch.float32, device=dev)
@@ -1098,6 +1109,10 @@ class Planner:
             hs["params"][Param.SOFTCAP] = options.softcap
         hs["iparams"][IParam.WINDOW_LEFT] = left
         hs["iparams"][IParam.WINDOW_RIGHT] = right
+        pair = self._pair_by_sm and lay.kind is not None
+        hs["iparams"][IParam.LISTS_BY_SM] = int(pair)
+        if pair:
+            lay = self._group_lists(lay)
         hs["cta_ptr"][:] = lay.ptr
         hs["q_start"][: B + 1] = cu
         hs["kv_len"][:B] = kvl
@@ -1118,7 +1133,7 @@ class Planner:
         # then it holds the part costs and kinds (9 bytes a work row) and the cut parts'.
         rates = self._tiling.us[:2]
         costs = _once(lambda: self._predicted_costs(lay.pc, lay.kind, lay.ptr, lay.swaps,
-                                                    lay.n0p, lay.fixes, rates))
+                                                    lay.n0p, lay.fixes, rates, lay.order))
         counts = dict(num_requests=B, num_prefill_requests=lay.n_prefill_req,
                       num_decode_requests=lay.n_decode_req, num_split_items=lay.num_slots,
                       num_merges=lay.num_merge, grid=grid)
@@ -1132,6 +1147,31 @@ class Planner:
             buffer_epoch=self.buffer_epoch, summary=summary, kernel_args=self.kernel_args,
             q_lens=q_len, kv_lens=kvl, needed_pages=used, _pages=pages, _buffers=self._d,
             _num_page_entries=num_entries, _costs=costs)
+
+    def _group_lists(self, lay: "Layout") -> "Layout":
+        """Each CTA list's work rows regrouped by kind, in place: the first list of an SM
+        (`_odd` False) all its prefill rows first, the second all its decode rows first;
+        each kind's rows keep their order (so do the decode ordinals in KIND). Returns
+        `lay` with its predictions' item order to match."""
+        n, ptr = lay.n, lay.ptr
+        wk = self._h["work"][:n]
+        counts = np.diff(ptr)
+        lst = np.repeat(np.arange(self.grid), counts)
+        decode = (wk[:, WorkCol.KIND] & KIND_MASK) == Kind.DECODE
+        first = decode == self._odd[lst]  # the list's first kind
+        before = np.zeros(n + 1, dtype=np.int64)  # first-kind rows before each row
+        np.cumsum(first, out=before[1:])
+        at_start = before[ptr[:-1]]
+        rank_first = before[:-1] - np.repeat(at_start, counts)
+        n_first = before[ptr[1:]] - at_start
+        pos_in_list = np.arange(n) - np.repeat(ptr[:-1], counts)
+        dest = np.repeat(ptr[:-1], counts) + np.where(
+            first, rank_first, np.repeat(n_first, counts) + pos_in_list - rank_first)
+        grouped = np.empty_like(wk)
+        grouped[dest] = wk
+        wk[:] = grouped
+        # (the predictions: part i of the stream now sits at row dest[i])
+        return lay._replace(order=dest)
 
     def _layout_numpy(self, q_len, kvl, options) -> "Layout":
         """The work rows, merges and slot list of the batch in the staging buffers, and
@@ -1467,7 +1507,7 @@ class Planner:
         return Layout(n, num_merge, num_slots, ptr, pc, kind, swaps, fixes, n0p, n0d,
                       preq.size, dreq.size)
 
-    def _predicted_costs(self, pc, kind, ptr, swaps, n0p, fixes, rates):
+    def _predicted_costs(self, pc, kind, ptr, swaps, n0p, fixes, rates, order=None):
         """(predicted time of each work row, of each CTA list, of each list's prefill
         rows). pc: each part's cost, its piece's for the parts next to a cut, which have
         their own: `fixes` = (those parts, their fixed costs, KV starts, KV ends), or None;
@@ -1500,6 +1540,10 @@ class Planner:
             fa, ff = swaps
             item_cost = pc.copy()
             item_cost[fa], item_cost[ff] = pc[ff], pc[fa]
+        if order is not None:  # (the lists grouped by kind: the same rows, moved)
+            moved = np.empty_like(item_cost)
+            moved[order] = item_cost
+            item_cost = moved
         return item_cost, cta_cost, p_cost
 
     def _summary_values(self, counts, costs, kind, n, n0d):

@@ -17,6 +17,7 @@ import torch
 from podcute import PODAttention
 from podcute.kernels.config import arch_head_dims
 from podcute.launch import requested_arch
+from podcute.plan import Planner
 from podcute.reference import pod_attention_reference
 from podcute.testing import (CHECK_DEFAULTS, EXTRA_FEATURE_CASES, FEATURE_CASES, NUM_SPLIT_CASES,
                              RANDOM_FEATURE_PRESETS, RANDOM_FEATURE_SHAPES, WIDE_PAGES,
@@ -66,15 +67,26 @@ _D = CHECK_DEFAULTS  # (perf.warm_cache compiles the feature cases' variants fro
 def check(name, q_lens, kv_lens, *, hq=_D["hq"], hkv=_D["hkv"], d=_D["d"], page=_D["page"],
           dtype=_D["dtype"], layout="NHD", fmt="table", causal=_D["causal"], interleaved=False,
           strided_q=False, seed=0, pad_rows=0, window_size=_D["window_size"],
-          softcap=_D["softcap"], sinks=_D["sinks"], batch_invariant=False, lse=True):
+          softcap=_D["softcap"], sinks=_D["sinks"], batch_invariant=False, lse=True,
+          num_sms=None):
     """One batch against the reference; `sinks` True draws random per-head sink logits;
-    `lse` False runs the variant without LSE (only the output is compared)."""
+    `lse` False runs the variant without LSE (only the output is compared); `num_sms`: a
+    wrapper of its own whose planner counts that many SMs (a grid made for another chip)."""
     if d not in arch_head_dims(ARCH):
         pytest.skip(f"head_dim {d}: no {ARCH} kernel")
     b = make_batch(q_lens, kv_lens, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d,
                    page_size=page, dtype=dtype, device="cuda", kv_layout=layout,
                    page_format=fmt, interleaved=interleaved, strided_q=strided_q, seed=seed)
-    attn = _wrapper(hq, hkv, d, page, dtype, layout)
+    if num_sms is None:
+        attn = _wrapper(hq, hkv, d, page, dtype, layout)
+    else:
+        init = Planner.__init__
+        Planner.__init__ = lambda self, *a, **kw: init(self, *a, **dict(kw, num_sms=num_sms))
+        try:
+            attn = PODAttention(hq, hkv, d, page, dtype=dtype, kv_layout=layout,
+                                device="cuda", max_batch_size=64, max_num_tokens=4096)
+        finally:
+            Planner.__init__ = init
     cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32)
     kvl = torch.tensor(kv_lens, dtype=torch.int32)
     pages = (dict(block_table=b.block_table) if fmt == "table"
@@ -160,6 +172,18 @@ def test_batch_kinds(order):
         "spec-decode": ([2, 3, 4, 5, 6, 7, 8], [9, 100, 1000, 4000, 17, 300, 8]),
     }
     check(order, *cases[order])
+
+
+@pytest.mark.parametrize("sms", ["half", "odd", "more"])
+def test_lists_on_other_sms(sms):
+    """A grid planned for another SM count. The warp-level kernel's CTAs take their lists
+    by the SM they run on (metadata.IParam.LISTS_BY_SM): with half the SMs, the CTAs on
+    the rest claim the lists no SM's own took; with more, the CTAs that wait for a slot
+    past two an SM do. Every list must run once and the words be zero after."""
+    chip = torch.cuda.get_device_properties(0).multi_processor_count
+    n = {"half": chip // 2, "odd": chip // 2 + 1, "more": chip + 7}[sms]
+    q_lens, kv_lens = [300, 1, 1, 5, 0, 1, 8] * 3, [700, 64, 1, 900, 17, 2000, 8] * 3
+    check(f"{n} SMs planned", q_lens, kv_lens, num_sms=n)
 
 
 @pytest.mark.parametrize("hq,hkv,page", [(64, 8, 16), (32, 8, 128), (64, 8, 1)])

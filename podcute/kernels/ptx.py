@@ -38,3 +38,9 @@ def f32_bits(x: Float32, *, loc=None, ip=None) -> Int32:
 def pow2(e: Int32, *, loc=None, ip=None) -> Float32:
     """2^e as a float (e a normal exponent): the bits (e + 127) << 23."""
     return asm32(Float32, [(Int32(e) + 127) << 23], "mov.b32 $0, $1;", loc=loc, ip=ip)
+
+
+@dsl_user_op
+def sm_id(*, loc=None, ip=None) -> Int32:
+    """The SM this thread runs on (%smid)."""
+    return asm32(Int32, [], "mov.u32 $0, %smid;", side_effects=True, loc=loc, ip=ip)
