@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from podcute.kernels.config import SUPPORTED_PAGE_SIZES, KernelConfig
-from podcute.kernels.metadata import KIND_BITS, KIND_MASK, Kind, MergeCol, WorkCol
+from podcute.kernels.metadata import KIND_BITS, KIND_MASK, IParam, Kind, MergeCol, WorkCol
 from podcute.plan import CapacityError, CostModel, Planner, PlanSummary, capacities
 
 KIND_PREFILL, KIND_DECODE = int(Kind.PREFILL), int(Kind.DECODE)
@@ -670,3 +670,47 @@ def test_warp_kernel_cuts_prefill_into_shorter_tiles_when_few():
                   torch.tensor([5, 6], dtype=torch.int32),
                   block_table=torch.zeros(2, 1, dtype=torch.int32))
     assert plan.prefill_tile_m == 128
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_lists_of_one_sm_run_different_kinds_first(seed):
+    """The warp-level kernel at two CTAs an SM (its CTAs take lists s and s + num_sms by
+    the SM they run on: IParam.LISTS_BY_SM): in a mixed batch each list runs its kinds one
+    after the other, SM s's first list prefill first, its second decode first, holding
+    the same rows as the interleaved plan, each kind in its order (so the decode ordinals
+    hold); one kind alone, or the sm_90a kernel (one CTA an SM), keeps blockIdx lists."""
+    rng = np.random.default_rng(2000 + seed)
+    q_lens, kv_lens = _mixed(rng, int(rng.integers(20, 200)), int(rng.integers(1, 4)),
+                             int(rng.choice([2048, 8192])))
+    cu, kvl, pages = lengths_to_inputs(q_lens, kv_lens, 16, "table", rng)
+    p = planner(32, 8, 128, 16, arch="sm_90")
+    assert p.config.kernel.ctas_per_sm == 2 and p._pair_by_sm
+    plan = p.plan(cu, kvl, **pages)
+    check_plan(plan, q_lens, kv_lens, pages["block_table"].numel())
+    assert p._h["iparams"][IParam.LISTS_BY_SM] == 1
+    work, ptr, cost = plan.work.numpy().copy(), plan.cta_ptr.numpy().copy(), plan.item_cost_us
+    p._pair_by_sm = False  # the same batch interleaved
+    try:
+        inter = p.plan(cu, kvl, **pages)
+        assert p._h["iparams"][IParam.LISTS_BY_SM] == 0
+        w0, c0 = inter.work.numpy(), inter.item_cost_us
+        assert (inter.cta_ptr.numpy() == ptr).all()
+    finally:
+        p._pair_by_sm = True
+    for c in range(p.grid):
+        a, b = ptr[c], ptr[c + 1]
+        k = work[a:b, WorkCol.KIND] & KIND_MASK
+        assert int((k[1:] != k[:-1]).sum()) <= 1, (c, k)
+        if len(set(k.tolist())) == 2:
+            assert k[0] == (KIND_DECODE if c >= p.num_sms else KIND_PREFILL)
+        for kk in (KIND_PREFILL, KIND_DECODE):  # each kind's rows and costs, in order
+            mine, theirs = k == kk, (w0[a:b, WorkCol.KIND] & KIND_MASK) == kk
+            assert (work[a:b][mine] == w0[a:b][theirs]).all()
+            assert np.allclose(cost[a:b][mine], c0[a:b][theirs])
+    decode_only = p.plan(torch.tensor([0, 1, 2], dtype=torch.int32),
+                         torch.tensor([5, 6], dtype=torch.int32),
+                         block_table=torch.zeros(2, 1, dtype=torch.int32))
+    assert decode_only.num_items and p._h["iparams"][IParam.LISTS_BY_SM] == 0
+    hopper = planner(32, 8, 128, 16)
+    hopper.plan(cu, kvl, **pages)
+    assert not hopper._pair_by_sm and hopper._h["iparams"][IParam.LISTS_BY_SM] == 0

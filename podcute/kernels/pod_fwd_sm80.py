@@ -208,7 +208,9 @@ class PodAttentionSm80(PodKernelBase):
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
-            sList: cute.struct.Align[cute.struct.MemRange[Int32, 1], 16]  # the CTA's list
+            # the CTA's list (claim_list), and whether it is the last done (release_lists):
+            # each word written once, by thread 0 before a barrier
+            sList: cute.struct.Align[cute.struct.MemRange[Int32, 2], 16]
 
         self.shared_storage = SharedStorage
         self.kernel(
@@ -279,7 +281,7 @@ class PodAttentionSm80(PodKernelBase):
         out = ItemOutputs(mO, mLSE, mSinks, mPartialO, mPartialLSE)
 
         warp_id = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        sList = storage.sList.get_tensor(cute.make_layout(1))
+        sList = storage.sList.get_tensor(cute.make_layout(2))
         cta = cute.arch.block_idx()[0]
         if mIParams[IParam.LISTS_BY_SM] != 0:
             cta = self.claim_list(mMergeSem, sList, tidx)
@@ -335,8 +337,8 @@ class PodAttentionSm80(PodKernelBase):
         pairs it makes change from launch to launch (`perf.exp_sm_pairs`). So the k-th CTA
         to arrive on SM s claims list k * num_sms + s; a CTA on an SM past the plan's
         count, or past ctas_per_sm on one (an SM freed by another kernel), or whose list
-        such a CTA took first, claims the first free list. One claim flag a list, as many
-        CTAs as lists: every list runs once."""
+        such a CTA took first, claims the next free list from its own index. One claim
+        flag a list, as many CTAs as lists: every list runs once."""
         if tidx == 0:
             base, num_sms, grid = self.sm_words(mMergeSem)
             claims = base + num_sms
@@ -351,12 +353,17 @@ class PodAttentionSm80(PodKernelBase):
                 if cute.arch.atomic_cas(mMergeSem.iterator + claims + want, cmp=Int32(0),
                                         val=Int32(1)) == 0:
                     got = want
-            free = Int32(0)
-            while (got < 0) & (free < grid):
+            # (from its own index: CTAs that run one after another, as under a sanitizer,
+            # find a free list at once instead of all scanning the same claimed ones)
+            tried = Int32(0)
+            while (got < 0) & (tried < grid):
+                free = cute.arch.block_idx()[0] + tried
+                if free >= grid:
+                    free -= grid
                 if cute.arch.atomic_cas(mMergeSem.iterator + claims + free, cmp=Int32(0),
                                         val=Int32(1)) == 0:
                     got = free
-                free += 1
+                tried += 1
             sList[0] = got
         cute.arch.barrier()
         return sList[0]
@@ -364,7 +371,9 @@ class PodAttentionSm80(PodKernelBase):
     @cute.jit
     def release_lists(self, mMergeSem: cute.Tensor, sList: cute.Tensor, tidx: Int32):
         """Count this CTA done; the last zeroes the words (`claim_list`'s) for the next
-        launch (a CUDA graph replays with them zero, as the merge semaphores)."""
+        launch (a CUDA graph replays with them zero, as the merge semaphores). (sList[1],
+        not [0]: a CTA with an empty list meets no barrier between claim_list's reads of
+        sList[0] and this write.)"""
         base, num_sms, grid = self.sm_words(mMergeSem)
         if tidx == 0:
             # acq_rel: this CTA's claims come before its count, so the last CTA counted sees
@@ -372,9 +381,9 @@ class PodAttentionSm80(PodKernelBase):
             done = cute.arch.atomic_add(
                 mMergeSem.iterator + base + num_sms + grid, Int32(1), sem="acq_rel",
                 scope="gpu")
-            sList[0] = done
+            sList[1] = done
         cute.arch.barrier()
-        if sList[0] == grid - 1:
+        if sList[1] == grid - 1:
             for w in cutlass.range(tidx, sm_list_words(grid, num_sms), self.num_threads,
                                    unroll=1):
                 mMergeSem[base + w] = Int32(0)
