@@ -5,6 +5,11 @@ timed with the planner's list order, then with the work rows of every list regro
 the device (outputs must match bit for bit).
 
     [PODCUTE_ARCH=sm_90] python -m perf.exp_group_kinds [--page 16]
+
+(They do not: the block scheduler pairs other CTAs, `perf.exp_sm_pairs`. Since the
+twenty-fifth session the warp-level kernel's CTAs take lists s and s + num_SMs by the SM
+they run on and the planner groups its mixed batches' lists itself, so for that kernel
+both orders here are the planner's.)
 """
 
 import argparse
