@@ -21,11 +21,12 @@ import cutlass.utils as utils
 from cutlass import Int32
 from cutlass.cute.runtime import from_dlpack
 
-from podcute.kernels.ptx import asm32
+from podcute.kernels.ptx import asm32, sm_id
 
 
-def _sreg(name: str) -> Int32:
-    return asm32(Int32, [], f"mov.u32 $0, %{name};", side_effects=True)
+def _clock_ns() -> Int32:
+    """The low word of the global nanosecond timer."""
+    return asm32(Int32, [], "mov.u32 $0, %globaltimer_lo;", side_effects=True)
 
 
 class Probe:
@@ -46,12 +47,12 @@ class Probe:
         utils.SmemAllocator().allocate(self.storage)
         tidx = cute.arch.thread_idx()[0]
         cta = cute.arch.block_idx()[0]
-        t0 = _sreg("globaltimer_lo")
+        t0 = _clock_ns()
         t = t0
         while t - t0 < spin_ns:
-            t = _sreg("globaltimer_lo")
+            t = _clock_ns()
         if tidx == 0:
-            mOut[cta, 0] = _sreg("smid")
+            mOut[cta, 0] = sm_id()
             mOut[cta, 1] = t0
             mOut[cta, 2] = t
 
