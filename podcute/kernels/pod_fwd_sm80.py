@@ -364,6 +364,11 @@ class PodAttentionSm80(PodKernelBase):
                                         val=Int32(1)) == 0:
                     got = free
                 tried += 1
+            if got < 0:
+                # (cannot happen while the words start each launch at zero; should they
+                # not, say two launches on one plan's buffers at once, blockIdx's list
+                # rather than an index past the lists)
+                got = cute.arch.block_idx()[0]
             sList[0] = got
         cute.arch.barrier()
         return sList[0]
