@@ -1111,7 +1111,7 @@ class Planner:
         hs["iparams"][IParam.WINDOW_RIGHT] = right
         pair = self._pair_by_sm and lay.kind is not None
         hs["iparams"][IParam.LISTS_BY_SM] = int(pair)
-        if pair:
+        if pair and lay.order is None:  # (plan_native.c groups them itself)
             lay = self._group_lists(lay)
         hs["cta_ptr"][:] = lay.ptr
         hs["q_start"][: B + 1] = cu
@@ -1149,7 +1149,8 @@ class Planner:
             _num_page_entries=num_entries, _costs=costs)
 
     def _group_lists(self, lay: "Layout") -> "Layout":
-        """Each CTA list's work rows regrouped by kind, in place: the first list of an SM
+        """Each CTA list's work rows regrouped by kind, in place (after the numpy
+        expansion; plan_native.c does the same after its own): the first list of an SM
         (`_odd` False) all its prefill rows first, the second all its decode rows first;
         each kind's rows keep their order (so do the decode ordinals in KIND). Returns
         `lay` with its predictions' item order to match."""

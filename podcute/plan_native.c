@@ -26,6 +26,7 @@ typedef struct {
     int64_t min_tiles[2], invariant_tokens[2];
     const double *bounds_unit; /* grid - 1 */
     const uint8_t *odd;        /* grid */
+    int64_t group;             /* regroup each list by kind (Planner._group_lists) */
     int64_t cap_items, cap_merges, cap_slots;
     /* outputs: the plan's metadata (staging views) */
     int32_t *work, *merge, *slot_merge;
@@ -33,10 +34,10 @@ typedef struct {
     /* outputs for the lazy predictions: cap_items parts, 2 (grid - 1) cut parts, grid swaps */
     double *pc;
     uint8_t *kind;
-    int64_t *fix, *fix_s, *fix_e, *swap_a, *swap_f;
+    int64_t *fix, *fix_s, *fix_e, *swap_a, *swap_f, *order;
     double *fix_fixed;
     int64_t n, num_merge, num_slots, n_prefill_req, n_decode_req, n0p, n0d, num_fix,
-        num_swaps, both;
+        num_swaps, both, grouped;
     /* scratch memory (caller-owned) and what this plan used of it */
     char *scratch;
     int64_t scratch_size, scratch_wanted;
@@ -518,6 +519,26 @@ int podcute_build(PlanIO *io) {
             }
         }
     }
+    int64_t grouped = both && io->group;
+    if (grouped) {
+        /* each list's rows of its first kind (odd lists: decode), then the others, each
+           kind in its order; order[row] = where the row went (Planner._group_lists) */
+        int32_t *moved = NEW(int32_t, n * WORK_COLS);
+        CHECK(moved);
+        for (int64_t cc = 0; cc < grid; cc++) {
+            int64_t a = io->ptr[cc], b = io->ptr[cc + 1], nf = 0;
+            int32_t first = io->odd[cc] ? DECODE : PREFILL;
+            for (int64_t q = a; q < b; q++) nf += io->work[q * WORK_COLS + KIND] == first;
+            int64_t at_first = a, at_other = a + nf;
+            for (int64_t q = a; q < b; q++) {
+                int64_t to = io->work[q * WORK_COLS + KIND] == first ? at_first++ : at_other++;
+                io->order[q] = to;
+                memcpy(moved + to * WORK_COLS, io->work + q * WORK_COLS,
+                       WORK_COLS * sizeof(int32_t));
+            }
+        }
+        memcpy(io->work, moved, (size_t)n * WORK_COLS * sizeof(int32_t));
+    }
     if (n0d)
         for (int64_t cc = 0; cc < grid; cc++) {
             int32_t ordinal = 0;
@@ -547,7 +568,7 @@ int podcute_build(PlanIO *io) {
     }
     io->n = n; io->num_merge = num_merge; io->num_slots = num_slots;
     io->n_prefill_req = n_pre; io->n_decode_req = n_dec; io->n0p = n0p; io->n0d = n0d;
-    io->num_fix = 2 * m; io->num_swaps = num_swaps; io->both = both;
+    io->num_fix = 2 * m; io->num_swaps = num_swaps; io->both = both; io->grouped = grouped;
 done:
     io->scratch_wanted = (int64_t)ar.wanted;
     release(&ar);

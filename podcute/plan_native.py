@@ -40,14 +40,14 @@ class _PlanIO(ctypes.Structure):
         ("r_p", _F64), ("r_d", _F64), ("r_row", _F64), ("o_p", _F64), ("o_d", _F64),
         ("chunks_per_cta", _F64), ("min_chunk_us", _F64),
         ("min_tiles", _I64 * 2), ("invariant_tokens", _I64 * 2),
-        ("bounds_unit", _P), ("odd", _P),
+        ("bounds_unit", _P), ("odd", _P), ("group", _I64),
         ("cap_items", _I64), ("cap_merges", _I64), ("cap_slots", _I64),
         ("work", _P), ("merge", _P), ("slot_merge", _P), ("ptr", _P),
         ("pc", _P), ("kind", _P), ("fix", _P), ("fix_s", _P), ("fix_e", _P),
-        ("swap_a", _P), ("swap_f", _P), ("fix_fixed", _P),
+        ("swap_a", _P), ("swap_f", _P), ("order", _P), ("fix_fixed", _P),
         ("n", _I64), ("num_merge", _I64), ("num_slots", _I64), ("n_prefill_req", _I64),
         ("n_decode_req", _I64), ("n0p", _I64), ("n0d", _I64), ("num_fix", _I64),
-        ("num_swaps", _I64), ("both", _I64),
+        ("num_swaps", _I64), ("both", _I64), ("grouped", _I64),
         ("scratch", _P), ("scratch_size", _I64), ("scratch_wanted", _I64),
     ]
 
@@ -75,6 +75,7 @@ class _Buffers:
         self.fix_fixed = np.empty(2 * cuts, dtype=np.float64)
         self.swap_a = np.empty(grid, dtype=np.int64)
         self.swap_f = np.empty(grid, dtype=np.int64)
+        self.order = np.empty(cap.items, dtype=np.int64)
         self.bounds_unit = np.ascontiguousarray(planner._bounds_unit, dtype=np.float64)
         self.odd = np.ascontiguousarray(planner._odd, dtype=np.uint8)
         hs = planner._h
@@ -97,6 +98,7 @@ class _Buffers:
         io.fix, io.fix_s, io.fix_e = _addr(self.fix), _addr(self.fix_s), _addr(self.fix_e)
         io.fix_fixed = _addr(self.fix_fixed)
         io.swap_a, io.swap_f = _addr(self.swap_a), _addr(self.swap_f)
+        io.order = _addr(self.order)
         self.ref = ctypes.byref(io)
         self.grow_scratch(1 << 16)
 
@@ -132,6 +134,7 @@ class NativeBuilder:
         io.tm_p, io.r_p, io.min_tiles[0] = t.tile_m, t.us[0], t.min_tiles[0]
         io.bounded, io.right, io.left = options.bounded_right, options.right, options.window_left
         io.has_window, io.invariant = options.has_window, options.batch_invariant
+        io.group = planner._pair_by_sm  # (each list by kind: Planner._group_lists)
         rc = self._fn(bufs.ref)
         if io.scratch_wanted > io.scratch_size:  # (it used malloc'ed blocks this time)
             bufs.grow_scratch(2 * io.scratch_wanted)
@@ -144,8 +147,9 @@ class NativeBuilder:
             fixes = (bufs.fix[:m2].copy(), bufs.fix_fixed[:m2].copy(), bufs.fix_s[:m2].copy(),
                      bufs.fix_e[:m2].copy())
         swaps = (bufs.swap_a[:ns].copy(), bufs.swap_f[:ns].copy()) if ns else None
+        order = bufs.order[:n].copy() if io.grouped else None
         return Layout(n, io.num_merge, io.num_slots, bufs.ptr.copy(), bufs.pc[:n].copy(), kind,
-                      swaps, fixes, io.n0p, io.n0d, io.n_prefill_req, io.n_decode_req)
+                      swaps, fixes, io.n0p, io.n0d, io.n_prefill_req, io.n_decode_req, order)
 
 
 # The C side writes rows by these column numbers (plan_native.c's enums).
