@@ -463,7 +463,7 @@ class Layout(NamedTuple):
     n0d: int  # decode groups
     n_prefill_req: int
     n_decode_req: int
-    order: np.ndarray | None = None  # where each row went when the lists were grouped
+    order: np.ndarray | None  # where each row went when the lists were grouped by kind
 
 
 @dataclass(frozen=True)
@@ -1109,10 +1109,8 @@ class Planner:
             hs["params"][Param.SOFTCAP] = options.softcap
         hs["iparams"][IParam.WINDOW_LEFT] = left
         hs["iparams"][IParam.WINDOW_RIGHT] = right
-        pair = self._pair_by_sm and lay.kind is not None
-        hs["iparams"][IParam.LISTS_BY_SM] = int(pair)
-        if pair and lay.order is None:  # (plan_native.c groups them itself)
-            lay = self._group_lists(lay)
+        # (both kinds in the batch: the expansion grouped the lists, `_group_lists`)
+        hs["iparams"][IParam.LISTS_BY_SM] = int(self._pair_by_sm and lay.kind is not None)
         hs["cta_ptr"][:] = lay.ptr
         hs["q_start"][: B + 1] = cu
         hs["kv_len"][:B] = kvl
@@ -1148,18 +1146,14 @@ class Planner:
             q_lens=q_len, kv_lens=kvl, needed_pages=used, _pages=pages, _buffers=self._d,
             _num_page_entries=num_entries, _costs=costs)
 
-    def _group_lists(self, lay: "Layout") -> "Layout":
-        """Each CTA list's work rows regrouped by kind, in place (after the numpy
-        expansion; plan_native.c does the same after its own): the first list of an SM
-        (`_odd` False) all its prefill rows first, the second all its decode rows first;
-        each kind's rows keep their order (so do the decode ordinals in KIND). Returns
-        `lay` with its predictions' item order to match."""
-        n, ptr = lay.n, lay.ptr
-        wk = self._h["work"][:n]
+    def _group_lists(self, wk: np.ndarray, ptr: np.ndarray, decode: np.ndarray) -> np.ndarray:
+        """The work rows `wk` (in stream order, `decode` True for a decode row) regrouped
+        by kind within each CTA list, in place: the first list of an SM (`_odd` False)
+        all its prefill rows first, the second all its decode rows first, each kind in its
+        order (plan_native.c does the same). Returns where each row went."""
+        n = wk.shape[0]
         counts = np.diff(ptr)
-        lst = np.repeat(np.arange(self.grid), counts)
-        decode = (wk[:, WorkCol.KIND] & KIND_MASK) == Kind.DECODE
-        first = decode == self._odd[lst]  # the list's first kind
+        first = decode == np.repeat(self._odd, counts)  # the list's first kind
         before = np.zeros(n + 1, dtype=np.int64)  # first-kind rows before each row
         np.cumsum(first, out=before[1:])
         at_start = before[ptr[:-1]]
@@ -1171,8 +1165,7 @@ class Planner:
         grouped = np.empty_like(wk)
         grouped[dest] = wk
         wk[:] = grouped
-        # (the predictions: part i of the stream now sits at row dest[i])
-        return lay._replace(order=dest)
+        return dest
 
     def _layout_numpy(self, q_len, kvl, options) -> "Layout":
         """The work rows, merges and slot list of the batch in the staging buffers, and
@@ -1476,7 +1469,10 @@ class Planner:
         wk[:, WorkCol.KV_END] = kv_e
         wk[:, WorkCol.SPLIT_SLOT] = slot if num_slots else -1
         swaps = None  # (rows, rows): list heads swapped with a later row of the other kind
-        if both:
+        order = None  # where each row went when the lists were grouped by kind
+        if both and self._pair_by_sm:
+            order = self._group_lists(wk, ptr, kind)
+        elif both:
             # Even lists start with prefill, odd ones with decode (when they hold both): swap
             # the first row with the first one of the wanted kind (all rows between are of
             # the other kind, so only that row moves within its kind's order).
@@ -1506,7 +1502,7 @@ class Planner:
             hs["slot_merge"][:num_slots] = np.arange(num_merge).repeat(m_count)
         fixes = None if fix is None else (fix, fixed[g[fix]], kv_s[fix], kv_e[fix])
         return Layout(n, num_merge, num_slots, ptr, pc, kind, swaps, fixes, n0p, n0d,
-                      preq.size, dreq.size)
+                      preq.size, dreq.size, order)
 
     def _predicted_costs(self, pc, kind, ptr, swaps, n0p, fixes, rates, order=None):
         """(predicted time of each work row, of each CTA list, of each list's prefill

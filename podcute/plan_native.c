@@ -499,8 +499,26 @@ int podcute_build(PlanIO *io) {
         w[SPLIT_SLOT] = num_slots ? (int32_t)slot[q] : -1;
         w[KIND] = gg < n0p ? PREFILL : DECODE;
     }
-    int64_t num_swaps = 0;
-    if (both) {
+    int64_t num_swaps = 0, grouped = both && io->group;
+    if (grouped) {
+        /* each list's rows of its first kind (odd lists: decode), then the others, each
+           kind in its order; order[row] = where the row went (Planner._group_lists) */
+        int32_t *moved = NEW(int32_t, n * WORK_COLS);
+        CHECK(moved);
+        for (int64_t cc = 0; cc < grid; cc++) {
+            int64_t a = io->ptr[cc], b = io->ptr[cc + 1], nf = 0;
+            uint8_t first = io->odd[cc]; /* io->kind: 1 = decode */
+            for (int64_t q = a; q < b; q++) nf += io->kind[q] == first;
+            int64_t at_first = a, at_other = a + nf;
+            for (int64_t q = a; q < b; q++) {
+                int64_t to = io->kind[q] == first ? at_first++ : at_other++;
+                io->order[q] = to;
+                memcpy(moved + to * WORK_COLS, io->work + q * WORK_COLS,
+                       WORK_COLS * sizeof(int32_t));
+            }
+        }
+        memcpy(io->work, moved, (size_t)n * WORK_COLS * sizeof(int32_t));
+    } else if (both) {
         /* even lists start with prefill, odd ones with decode (when they hold both) */
         int64_t *ip = NEW(int64_t, n), *idd = NEW(int64_t, n), np_ = 0, nd_ = 0;
         CHECK(ip && idd);
@@ -518,26 +536,6 @@ int podcute_build(PlanIO *io) {
                 memcpy(io->work + f * WORK_COLS, t, sizeof t);
             }
         }
-    }
-    int64_t grouped = both && io->group;
-    if (grouped) {
-        /* each list's rows of its first kind (odd lists: decode), then the others, each
-           kind in its order; order[row] = where the row went (Planner._group_lists) */
-        int32_t *moved = NEW(int32_t, n * WORK_COLS);
-        CHECK(moved);
-        for (int64_t cc = 0; cc < grid; cc++) {
-            int64_t a = io->ptr[cc], b = io->ptr[cc + 1], nf = 0;
-            int32_t first = io->odd[cc] ? DECODE : PREFILL;
-            for (int64_t q = a; q < b; q++) nf += io->work[q * WORK_COLS + KIND] == first;
-            int64_t at_first = a, at_other = a + nf;
-            for (int64_t q = a; q < b; q++) {
-                int64_t to = io->work[q * WORK_COLS + KIND] == first ? at_first++ : at_other++;
-                io->order[q] = to;
-                memcpy(moved + to * WORK_COLS, io->work + q * WORK_COLS,
-                       WORK_COLS * sizeof(int32_t));
-            }
-        }
-        memcpy(io->work, moved, (size_t)n * WORK_COLS * sizeof(int32_t));
     }
     if (n0d)
         for (int64_t cc = 0; cc < grid; cc++) {
