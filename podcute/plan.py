@@ -146,6 +146,11 @@ class CostModel:
     # kind reaches every CTA. More = finer interleave, more partials; bounds capacities().
     chunks_per_cta: int = 1
     elem_bytes: int = 2  # bf16 / fp16
+    # The warp-level kernel pairs each SM's two CTAs by kind (`Planner._pair_by_sm`) only
+    # on a chip with fewer HBM bytes per SM clock than this (`chip_hbm_bytes_per_sm_clock`):
+    # on an H100 (12.8) that made the mixed batches 2-6 % faster, on the H200 (18.8)
+    # 1-4 % slower (docs/performance.md, "twenty-sixth session").
+    pair_kinds_below_bytes_per_sm_clock: float = 16.0
 
     def for_kernel(self, kernel) -> "CostModel":
         """This model with the MMA efficiency of `kernel` (a KernelConfig)'s prefill."""
@@ -163,6 +168,21 @@ class CostModel:
 
 
 DEFAULT_COST_MODEL = CostModel()
+H200_HBM_BYTES_PER_SM_CLOCK = 18.8  # 2 x 3201 MHz x 6144 bits / (132 SMs x 1980 MHz)
+
+
+def chip_hbm_bytes_per_sm_clock(props) -> float | None:
+    """A GPU's HBM peak (double data rate: 2 x memory clock x bus width) over its SMs and
+    their clock, in bytes; `props`: torch.cuda.get_device_properties. None where the
+    properties lack the clocks (older torch)."""
+    try:
+        mem_khz, bus_bits = props.memory_clock_rate, props.memory_bus_width
+        sm_khz, sms = props.clock_rate, props.multi_processor_count
+    except AttributeError:
+        return None
+    if min(mem_khz, bus_bits, sm_khz, sms) <= 0:
+        return None
+    return 2 * mem_khz * bus_bits / 8 / (sms * sm_khz)
 
 
 @dataclass(frozen=True)
@@ -613,11 +633,12 @@ class Planner:
     """Owns the buffers of one attention configuration and fills them per batch.
 
     ``grid = num_sms * kernel.ctas_per_sm`` is fixed per planner (lists ``s``,
-    ``s + num_sms``, ... are SM ``s``'s: the warp-level kernel's CTAs take them by the SM
-    they run on, `IParam.LISTS_BY_SM`; the sm_90a kernel runs one CTA an SM). Within an
+    ``s + num_sms``, ... are SM ``s``'s; the sm_90a kernel runs one CTA an SM). Within an
     SM, and between neighbouring SMs when an SM runs one CTA, lists alternate the kind
-    they start with, so at any moment both kinds run across the chip; at two CTAs an SM
-    each list runs its kinds one after the other (`_group_lists`).
+    they start with, so at any moment both kinds run across the chip. On a chip short of
+    HBM bandwidth per SM (``hbm_bytes_per_sm_clock``, default the device's) the
+    warp-level kernel's CTAs take the lists by the SM they run on (`IParam.LISTS_BY_SM`)
+    and each list runs its kinds one after the other (`_group_lists`).
 
     Capacities: ``max_batch_size`` requests, ``max_num_tokens`` query tokens and
     ``max_num_pages`` page-list entries (a block table costs B x the most pages any of its
@@ -628,7 +649,8 @@ class Planner:
                  device="cuda", max_batch_size: int = 256, max_num_tokens: int = 16384,
                  max_num_pages: int | None = None, num_sms: int | None = None,
                  cost_model: CostModel = DEFAULT_COST_MODEL, dtype: str = "bfloat16",
-                 kv_dtype: str = "", arch: str = "sm_90a"):
+                 kv_dtype: str = "", arch: str = "sm_90a",
+                 hbm_bytes_per_sm_clock: float | None = None):
         if max_num_pages is None:
             max_num_pages = 1 << 20
         for name, v in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
@@ -639,15 +661,25 @@ class Planner:
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of "
                              f"num_kv_heads ({num_kv_heads})")
+        if hbm_bytes_per_sm_clock is not None and (
+                isinstance(hbm_bytes_per_sm_clock, bool)
+                or not isinstance(hbm_bytes_per_sm_clock, (int, float, np.number))
+                or not hbm_bytes_per_sm_clock > 0):
+            raise ValueError("hbm_bytes_per_sm_clock must be a positive number, got "
+                             f"{hbm_bytes_per_sm_clock!r}")
         if page_size not in SUPPORTED_PAGE_SIZES:
             raise ValueError(f"page_size must be one of {SUPPORTED_PAGE_SIZES}, got {page_size}")
         G = num_qo_heads // num_kv_heads
         kernel = KernelConfig.select(dtype, head_dim, G, page_size=page_size,  # names head_dim
                                      kv_dtype=kv_dtype, arch=arch)
         self.device = torch.device(device)
+        props = (torch.cuda.get_device_properties(self.device)
+                 if self.device.type == "cuda" else None)  # an H200 on a host-only planner
         if num_sms is None:
-            num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
-                       if self.device.type == "cuda" else 132)  # H200 on a host-only planner
+            num_sms = props.multi_processor_count if props is not None else 132
+        if hbm_bytes_per_sm_clock is None:
+            hbm_bytes_per_sm_clock = ((props is not None and chip_hbm_bytes_per_sm_clock(props))
+                                      or H200_HBM_BYTES_PER_SM_CLOCK)
         self.config = PlanConfig(num_qo_heads, num_kv_heads, G, head_dim, page_size, kernel)
         self.cost = cost_model.for_kernel(kernel)
         self.num_sms = int(num_sms)
@@ -679,12 +711,17 @@ class Planner:
         lists = np.arange(self.grid)
         slot = lists // self.num_sms if kernel.ctas_per_sm > 1 else lists
         self._odd = (slot & 1).astype(bool)
-        # The warp-level kernel at two CTAs an SM: its CTAs take lists s, s + num_sms by
-        # the SM they run on (metadata.IParam.LISTS_BY_SM), and in a batch of both kinds
-        # each list runs its kinds one after the other (`_group_lists`), so that the CTAs
-        # of an SM run different kinds, where a block scheduler's placement paired lists
-        # at random and interleaved lists put two prefill items on one SM as often.
-        self._pair_by_sm = kernel.warp_mma and kernel.ctas_per_sm == 2
+        # The warp-level kernel at two CTAs an SM, on a chip short of HBM bandwidth per SM
+        # (CostModel.pair_kinds_below_bytes_per_sm_clock): its CTAs take lists s,
+        # s + num_sms by the SM they run on (metadata.IParam.LISTS_BY_SM), and in a batch
+        # of both kinds each list runs its kinds one after the other (`_group_lists`), so
+        # that the CTAs of an SM run different kinds, where a block scheduler's placement
+        # paired lists at random and interleaved lists put two prefill items on one SM as
+        # often. Elsewhere CTA c runs list c, each list led by the kind its slot wants.
+        self.hbm_bytes_per_sm_clock = float(hbm_bytes_per_sm_clock)
+        self._pair_by_sm = (kernel.warp_mma and kernel.ctas_per_sm == 2
+                            and self.hbm_bytes_per_sm_clock
+                            < cost_model.pair_kinds_below_bytes_per_sm_clock)
 
     # ---- buffers ------------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ import torch
 from podcute import PODAttention
 from podcute.kernels.config import arch_head_dims
 from podcute.launch import requested_arch
+from podcute.plan import Planner
 from podcute.reference import pod_attention_reference
 from podcute.testing import handover_lengths, make_batch, quantize_kv_cache
 
@@ -53,6 +54,11 @@ def main(small: bool, only: str = "") -> int:
         # (name, Hq, Hkv, D, page, fmt, causal, q_lens, kv_lens)
         ("16-slot boxes p16 mixed+splits", 8, 2, 128, 16, "table", True,
          [300 // s, 1, 1, 5, 0, 1, 8], [700, 64, 1, 900, 17, 8000 // s, 8]),
+        # the same planned as on an H100, whose SM pairs the warp-level kernel runs by
+        # %smid with lists grouped by kind (Planner._pair_by_sm): the claim and release
+        ("16-slot boxes p16 mixed+splits as on an H100", 8, 2, 128, 16, "table", True,
+         [300 // s, 1, 1, 5, 0, 1, 8], [700, 64, 1, 900, 17, 8000 // s, 8],
+         dict(hbm_bytes_per_sm_clock=12.8)),
         ("gather p8 mixed+splits", 8, 2, 128, 8, "table", True,
          [300 // s, 1, 1, 5, 0, 1, 8], [700, 64, 1, 900, 17, 8000 // s, 8]),
         ("gather p1 csr D64", 8, 8, 64, 1, "csr", True, [1, 2, 200 // s], [3000 // s, 40, 500]),
@@ -93,6 +99,9 @@ def main(small: bool, only: str = "") -> int:
         if features.get("sinks"):
             features["sinks"] = torch.randn(hq, device="cuda")
         attn = PODAttention(hq, hkv, d, page, device="cuda")
+        if "hbm_bytes_per_sm_clock" in features:  # another chip's plan
+            attn.planner = Planner(hq, hkv, d, page, device="cuda", arch=attn.arch,
+                                   hbm_bytes_per_sm_clock=features.pop("hbm_bytes_per_sm_clock"))
         b = make_batch(ql, kl, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page,
                        device="cuda", page_format=fmt, seed=7)
         pages = (dict(block_table=b.block_table) if fmt == "table"

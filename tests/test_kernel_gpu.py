@@ -35,6 +35,7 @@ if not HAS_SM90:
 ARCH = requested_arch(None) or "sm_90a"
 TOL = {torch.bfloat16: 5e-3, torch.float16: 2e-3}
 LSE_TOL = 1e-3
+H100_HBM = 12.8  # HBM bytes per SM clock of an H100 SXM (plan.chip_hbm_bytes_per_sm_clock)
 NUM_RANDOM = int(os.environ.get("PODCUTE_GPU_RANDOM", "200"))
 NUM_WIDE = int(os.environ.get("PODCUTE_GPU_WIDE", "40"))
 # First seed of every random sweep (mixed, wide, features, fp8): a new start draws batches
@@ -68,20 +69,21 @@ def check(name, q_lens, kv_lens, *, hq=_D["hq"], hkv=_D["hkv"], d=_D["d"], page=
           dtype=_D["dtype"], layout="NHD", fmt="table", causal=_D["causal"], interleaved=False,
           strided_q=False, seed=0, pad_rows=0, window_size=_D["window_size"],
           softcap=_D["softcap"], sinks=_D["sinks"], batch_invariant=False, lse=True,
-          num_sms=None):
+          planner_kw=None):
     """One batch against the reference; `sinks` True draws random per-head sink logits;
-    `lse` False runs the variant without LSE (only the output is compared); `num_sms`: a
-    wrapper of its own whose planner counts that many SMs (a grid made for another chip)."""
+    `lse` False runs the variant without LSE (only the output is compared); `planner_kw`:
+    a wrapper of its own whose Planner gets these arguments (`num_sms`: a grid made for
+    another chip; `hbm_bytes_per_sm_clock`: another chip's choice of SM pairs)."""
     if d not in arch_head_dims(ARCH):
         pytest.skip(f"head_dim {d}: no {ARCH} kernel")
     b = make_batch(q_lens, kv_lens, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d,
                    page_size=page, dtype=dtype, device="cuda", kv_layout=layout,
                    page_format=fmt, interleaved=interleaved, strided_q=strided_q, seed=seed)
-    if num_sms is None:
+    if not planner_kw:
         attn = _wrapper(hq, hkv, d, page, dtype, layout)
     else:
         init = Planner.__init__
-        Planner.__init__ = lambda self, *a, **kw: init(self, *a, **dict(kw, num_sms=num_sms))
+        Planner.__init__ = lambda self, *a, **kw: init(self, *a, **dict(kw, **planner_kw))
         try:
             attn = PODAttention(hq, hkv, d, page, dtype=dtype, kv_layout=layout,
                                 device="cuda", max_batch_size=64, max_num_tokens=4096)
@@ -177,13 +179,15 @@ def test_batch_kinds(order):
 @pytest.mark.parametrize("sms", ["half", "odd", "more"])
 def test_lists_on_other_sms(sms):
     """A grid planned for another SM count. The warp-level kernel's CTAs take their lists
-    by the SM they run on (metadata.IParam.LISTS_BY_SM): with half the SMs, the CTAs on
-    the rest claim the lists no SM's own took; with more, the CTAs that wait for a slot
-    past two an SM do. Every list must run once and the words be zero after."""
+    by the SM they run on (metadata.IParam.LISTS_BY_SM; the planner told the chip is an
+    H100's, which it pairs so on any chip): with half the SMs, the CTAs on the rest claim
+    the lists no SM's own took; with more, the CTAs that wait for a slot past two an SM
+    do. Every list must run once and the words be zero after."""
     chip = torch.cuda.get_device_properties(0).multi_processor_count
     n = {"half": chip // 2, "odd": chip // 2 + 1, "more": chip + 7}[sms]
     q_lens, kv_lens = [300, 1, 1, 5, 0, 1, 8] * 3, [700, 64, 1, 900, 17, 2000, 8] * 3
-    check(f"{n} SMs planned", q_lens, kv_lens, num_sms=n)
+    check(f"{n} SMs planned", q_lens, kv_lens,
+          planner_kw=dict(num_sms=n, hbm_bytes_per_sm_clock=H100_HBM))
 
 
 @pytest.mark.parametrize("hq,hkv,page", [(64, 8, 16), (32, 8, 128), (64, 8, 1)])
@@ -234,7 +238,10 @@ def test_random_mixed(seed):
         q_lens[0] = 1
     check(f"random {seed}", q_lens, kv_lens, page=rng.choice([1, 8, 16, 32, 64, 128, 256]),
           fmt=rng.choice(["table", "csr"]), interleaved=rng.random() < 0.3,
-          strided_q=rng.random() < 0.3, seed=seed, pad_rows=rng.choice([0, 0, 0, 7]))
+          strided_q=rng.random() < 0.3, seed=seed, pad_rows=rng.choice([0, 0, 0, 7]),
+          # half the batches planned as on an H100 (the warp-level kernel's SM pairs run
+          # grouped lists, taken by %smid), half as on this chip
+          planner_kw=dict(hbm_bytes_per_sm_clock=H100_HBM) if rng.random() < 0.5 else None)
 
 
 @pytest.mark.parametrize("seed", range(SEED0, SEED0 + NUM_WIDE))

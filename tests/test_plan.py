@@ -7,6 +7,8 @@ the work among the CTAs; balance the predicted per-CTA time; and put both kinds 
 SM (CTA pair) when both kinds have work.
 """
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -15,9 +17,12 @@ from hypothesis import strategies as st
 
 from podcute.kernels.config import SUPPORTED_PAGE_SIZES, KernelConfig
 from podcute.kernels.metadata import KIND_BITS, KIND_MASK, IParam, Kind, MergeCol, WorkCol
-from podcute.plan import CapacityError, CostModel, Planner, PlanSummary, capacities
+from podcute.plan import (DEFAULT_COST_MODEL, H200_HBM_BYTES_PER_SM_CLOCK, CapacityError,
+                          CostModel, Planner, PlanSummary, capacities,
+                          chip_hbm_bytes_per_sm_clock)
 
 KIND_PREFILL, KIND_DECODE = int(Kind.PREFILL), int(Kind.DECODE)
+H100_HBM = 12.8  # HBM bytes per SM clock of an H100 SXM (chip_hbm_bytes_per_sm_clock)
 
 _PLANNERS = {}
 
@@ -683,7 +688,7 @@ def test_lists_of_one_sm_run_different_kinds_first(seed):
     q_lens, kv_lens = _mixed(rng, int(rng.integers(20, 200)), int(rng.integers(1, 4)),
                              int(rng.choice([2048, 8192])))
     cu, kvl, pages = lengths_to_inputs(q_lens, kv_lens, 16, "table", rng)
-    p = planner(32, 8, 128, 16, arch="sm_90")
+    p = planner(32, 8, 128, 16, arch="sm_90", hbm_bytes_per_sm_clock=H100_HBM)
     assert p.config.kernel.ctas_per_sm == 2 and p._pair_by_sm
     plan = p.plan(cu, kvl, **pages)
     check_plan(plan, q_lens, kv_lens, pages["block_table"].numel())
@@ -725,6 +730,33 @@ def test_lists_of_one_sm_run_different_kinds_first(seed):
                          torch.tensor([5, 6], dtype=torch.int32),
                          block_table=torch.zeros(2, 1, dtype=torch.int32))
     assert decode_only.num_items and p._h["iparams"][IParam.LISTS_BY_SM] == 0
-    hopper = planner(32, 8, 128, 16)
+    hopper = planner(32, 8, 128, 16, hbm_bytes_per_sm_clock=H100_HBM)
     hopper.plan(cu, kvl, **pages)
     assert not hopper._pair_by_sm and hopper._h["iparams"][IParam.LISTS_BY_SM] == 0
+    h200 = planner(32, 8, 128, 16, arch="sm_90")  # a host-only planner: the H200's rate
+    h200.plan(cu, kvl, **pages)
+    assert not h200._pair_by_sm and h200._h["iparams"][IParam.LISTS_BY_SM] == 0
+
+
+def test_chip_bandwidth_decides_the_sm_pairs():
+    """The warp-level kernel pairs an SM's CTAs by kind only on a chip with less HBM
+    bandwidth per SM clock than CostModel.pair_kinds_below_bytes_per_sm_clock: the H100
+    (measured faster so), not the H200 (measured slower); a device's rate comes from its
+    properties, and a bad rate is refused before anything is planned."""
+    h100 = SimpleNamespace(memory_clock_rate=2619000, memory_bus_width=5120,
+                           clock_rate=1980000, multi_processor_count=132)
+    h200 = SimpleNamespace(memory_clock_rate=3201000, memory_bus_width=6144,
+                           clock_rate=1980000, multi_processor_count=132)
+    assert chip_hbm_bytes_per_sm_clock(h100) == pytest.approx(H100_HBM, abs=0.05)
+    assert chip_hbm_bytes_per_sm_clock(h200) == pytest.approx(H200_HBM_BYTES_PER_SM_CLOCK,
+                                                               abs=0.05)
+    assert chip_hbm_bytes_per_sm_clock(SimpleNamespace(multi_processor_count=132)) is None
+    below = DEFAULT_COST_MODEL.pair_kinds_below_bytes_per_sm_clock
+    assert H100_HBM < below < H200_HBM_BYTES_PER_SM_CLOCK
+    for arch, rate, paired in (("sm_90", H100_HBM, True), ("sm_90", 18.8, False),
+                               ("sm_90", None, False), ("sm_90a", H100_HBM, False)):
+        p = Planner(32, 8, 128, 16, device="cpu", arch=arch, hbm_bytes_per_sm_clock=rate)
+        assert p._pair_by_sm == paired, (arch, rate)
+    for bad in (0, -1.0, True, "12.8"):
+        with pytest.raises(ValueError, match="hbm_bytes_per_sm_clock"):
+            Planner(32, 8, 128, 16, device="cpu", arch="sm_90", hbm_bytes_per_sm_clock=bad)

@@ -18,11 +18,13 @@ pytestmark = pytest.mark.skipif(plan_native.load() is None,
 _PAIRS = {}
 
 
-def _pair(hq, hkv, d, page, num_sms, arch, cap):
-    key = (hq, hkv, d, page, num_sms, arch, cap)
+def _pair(hq, hkv, d, page, num_sms, arch, cap, hbm=None):
+    """hbm: HBM bytes per SM clock (12.8, an H100's: the warp-level kernel's SM pairs run
+    grouped lists; None: the H200's, interleaved lists with their heads swapped)."""
+    key = (hq, hkv, d, page, num_sms, arch, cap, hbm)
     if key not in _PAIRS:
         kw = dict(device="cpu", num_sms=num_sms, arch=arch, max_batch_size=cap,
-                  max_num_tokens=cap * 64)
+                  max_num_tokens=cap * 64, hbm_bytes_per_sm_clock=hbm)
         native, ref = Planner(hq, hkv, d, page, **kw), Planner(hq, hkv, d, page, **kw)
         ref._native = None
         assert native._native is not None
@@ -71,7 +73,7 @@ def test_native_and_numpy_plans_agree(seed):
         page = rng.choice([1, 16, 128])
         num_sms = rng.choice([132, 132, 7, 61, 1])
         arch = rng.choice(["sm_90a", "sm_90a", "sm_80", "sm_90"])
-        native, ref = _pair(*shape, page, num_sms, arch, 512)
+        native, ref = _pair(*shape, page, num_sms, arch, 512, rng.choice([12.8, None]))
         causal = rng.random() < 0.7
         cu, kw = _batch(rng, page, causal)
         opts = dict(causal=causal)
