@@ -3,14 +3,22 @@ part and its decode part alone (each planned and run as its own batch), to see h
 of the two the fused launch overlaps.
 
     PODCUTE_ARCH=sm_90 python -m perf.exp_parts [PAGE] [W1,W2,...] [--one-cta-per-sm]
+        [--variant planner|by-sm|blockidx|grouped-blockidx|swap-by-sm] [--fused-only]
+        [--hbm-scale F]
 
 --one-cta-per-sm also times each at one CTA an SM (the planner told the chip has half its
 SMs: as many CTAs as SMs, which the block scheduler spreads one an SM): a part much
 slower so than at two says one CTA cannot keep its SM busy alone (a decoding CTA: cannot
 cover HBM latency with its K/V stages), which is what each CTA of a fused launch faces
 beside a CTA of the other kind.
+
+--variant separates the two halves of the SM pairing (fused_ms) and --hbm-scale plans
+with another chip's HBM rate (0.68: an H100's against the H200-calibrated cost model);
+--fused-only skips the parts. The session-26 runs (docs/performance.md) alternated
+`--variant V --fused-only` over the variants, three rounds, on an H100 and an H200.
 """
 import argparse
+import dataclasses
 
 import torch
 
@@ -21,19 +29,47 @@ from podcute import PODAttention
 from podcute.testing import make_batch
 
 
-def fused_ms(w, q_lens, kv_lens, page, num_sms=None):
+VARIANTS = ("planner", "by-sm", "blockidx", "grouped-blockidx", "swap-by-sm")
+
+
+def fused_ms(w, q_lens, kv_lens, page, num_sms=None, variant="planner", hbm_scale=1.0):
+    """variant: how the lists of a mixed batch meet the SMs (of the warp-level kernel at
+    two CTAs an SM). planner: the planner's choice for this chip; by-sm: grouped by kind,
+    taken by %smid (the choice on an H100); blockidx: the list-head swap, CTA c runs list c
+    (the choice on an H200);
+    grouped-blockidx: grouped by kind, CTA c runs list c; swap-by-sm: the list-head swap,
+    taken by %smid. hbm_scale: the planner's cost model with this times its HBM rate."""
     b = make_batch(q_lens, kv_lens, num_qo_heads=w.num_qo_heads, num_kv_heads=w.num_kv_heads,
                    head_dim=w.head_dim, page_size=page, device="cuda", pool_factor=1.1,
                    garbage=0.0)
     init = P.Planner.__init__
-    if num_sms is not None:
-        P.Planner.__init__ = lambda self, *a, **kw: init(self, *a, **dict(kw, num_sms=num_sms))
+    kw_sms = {} if num_sms is None else {"num_sms": num_sms}
+    if hbm_scale != 1.0:
+        kw_sms["cost_model"] = dataclasses.replace(
+            P.DEFAULT_COST_MODEL, hbm_bytes_per_s=P.DEFAULT_COST_MODEL.hbm_bytes_per_s * hbm_scale)
+    iparam = P.IParam
+
+    def patched(self, *a, **kw):
+        init(self, *a, **dict(kw, **kw_sms))
+        if variant != "planner":
+            k = self.config.kernel
+            self._pair_by_sm = (variant in ("by-sm", "grouped-blockidx") and k.warp_mma
+                                and k.ctas_per_sm == 2)
+
+    P.Planner.__init__ = patched
+    if variant in ("grouped-blockidx", "swap-by-sm"):
+        # the planner writes its flag to a spare word (metadata.NUM_PARAMS); the kernel's
+        # word keeps what is set below
+        P.IParam = type("IParam", (), {k: int(getattr(iparam, k)) for k in
+                                       ("WINDOW_LEFT", "WINDOW_RIGHT")} | {"LISTS_BY_SM": 7})
     try:
         attn = PODAttention(w.num_qo_heads, w.num_kv_heads, w.head_dim, page, device="cuda",
                             max_batch_size=len(q_lens), max_num_tokens=sum(q_lens))
+        attn.planner._h["iparams"][iparam.LISTS_BY_SM] = int(variant == "swap-by-sm")
+        attn.plan(b.cu_seqlens_q, b.seqused_k, block_table=b.block_table, causal=w.causal)
     finally:
         P.Planner.__init__ = init
-    attn.plan(b.cu_seqlens_q, b.seqused_k, block_table=b.block_table, causal=w.causal)
+        P.IParam = iparam
     out = torch.empty_like(b.q)
     return time_gpu(lambda i: attn.run(b.q, b.k_cache, b.v_cache, out=out), reps=30).ms
 
@@ -43,6 +79,10 @@ def main(argv=None) -> int:
     p.add_argument("page", nargs="?", type=int, default=16)
     p.add_argument("names", nargs="?", default="M1,M3,M5,P1")
     p.add_argument("--one-cta-per-sm", action="store_true")
+    p.add_argument("--variant", choices=VARIANTS, default="planner")
+    p.add_argument("--fused-only", action="store_true", help="not the parts alone")
+    p.add_argument("--hbm-scale", type=float, default=1.0,
+                   help="the cost model's HBM rate times this (another chip's bandwidth)")
     args = p.parse_args(argv)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     grids = [("", None)] + ([(" 1/SM", sms // 2)] if args.one_cta_per_sm else [])
@@ -52,9 +92,14 @@ def main(argv=None) -> int:
         pre = [(q, k) for q, k in zip(w.q_lens, w.kv_lens) if q > 1]
         dec = [(q, k) for q, k in zip(w.q_lens, w.kv_lens) if q == 1]
         parts = {"fused": list(zip(w.q_lens, w.kv_lens)), "prefill": pre, "decode": dec}
+        if args.fused_only:
+            parts = {"fused": parts["fused"]}
         for label, num_sms in grids:
-            line = [f"{k} {fused_ms(w, *zip(*v), args.page, num_sms):.3f}"
-                    for k, v in parts.items() if v]
+            line = []
+            for k, v in parts.items():
+                if v:
+                    ms = fused_ms(w, *zip(*v), args.page, num_sms, args.variant, args.hbm_scale)
+                    line.append(f"{k} {ms:.3f}")
             print(w.name, f"p{args.page}{label}", " | ".join(line), flush=True)
     return 0
 
