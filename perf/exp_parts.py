@@ -43,20 +43,16 @@ def fused_ms(w, q_lens, kv_lens, page, num_sms=None, variant="planner", hbm_scal
                    head_dim=w.head_dim, page_size=page, device="cuda", pool_factor=1.1,
                    garbage=0.0)
     init = P.Planner.__init__
-    kw_sms = {} if num_sms is None else {"num_sms": num_sms}
+    kw_plan = {} if num_sms is None else {"num_sms": num_sms}
     if hbm_scale != 1.0:
-        kw_sms["cost_model"] = dataclasses.replace(
+        kw_plan["cost_model"] = dataclasses.replace(
             P.DEFAULT_COST_MODEL, hbm_bytes_per_s=P.DEFAULT_COST_MODEL.hbm_bytes_per_s * hbm_scale)
+    if variant != "planner":  # the grouping comes with the H100's rate, not the H200's
+        kw_plan["hbm_bytes_per_sm_clock"] = (
+            P.H100_HBM_BYTES_PER_SM_CLOCK if variant in ("by-sm", "grouped-blockidx")
+            else P.H200_HBM_BYTES_PER_SM_CLOCK)
     iparam = P.IParam
-
-    def patched(self, *a, **kw):
-        init(self, *a, **dict(kw, **kw_sms))
-        if variant != "planner":
-            k = self.config.kernel
-            self._pair_by_sm = (variant in ("by-sm", "grouped-blockidx") and k.warp_mma
-                                and k.ctas_per_sm == 2)
-
-    P.Planner.__init__ = patched
+    P.Planner.__init__ = lambda self, *a, **kw: init(self, *a, **dict(kw, **kw_plan))
     if variant in ("grouped-blockidx", "swap-by-sm"):
         # the planner writes its flag to a spare word (metadata.NUM_PARAMS); the kernel's
         # word keeps what is set below

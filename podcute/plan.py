@@ -168,7 +168,9 @@ class CostModel:
 
 
 DEFAULT_COST_MODEL = CostModel()
+# chip_hbm_bytes_per_sm_clock of the two chips the pairing rule was measured on
 H200_HBM_BYTES_PER_SM_CLOCK = 18.8  # 2 x 3201 MHz x 6144 bits / (132 SMs x 1980 MHz)
+H100_HBM_BYTES_PER_SM_CLOCK = 12.8  # 2 x 2619 MHz x 5120 bits / (132 SMs x 1980 MHz), SXM
 
 
 def chip_hbm_bytes_per_sm_clock(props) -> float | None:
@@ -1146,8 +1148,8 @@ class Planner:
             hs["params"][Param.SOFTCAP] = options.softcap
         hs["iparams"][IParam.WINDOW_LEFT] = left
         hs["iparams"][IParam.WINDOW_RIGHT] = right
-        # (both kinds in the batch: the expansion grouped the lists, `_group_lists`)
-        hs["iparams"][IParam.LISTS_BY_SM] = int(self._pair_by_sm and lay.kind is not None)
+        # (the lists the expansion grouped by kind, `_group_lists`, are taken by SM)
+        hs["iparams"][IParam.LISTS_BY_SM] = int(lay.order is not None)
         hs["cta_ptr"][:] = lay.ptr
         hs["q_start"][: B + 1] = cu
         hs["kv_len"][:B] = kvl

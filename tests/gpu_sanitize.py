@@ -22,7 +22,7 @@ import torch
 from podcute import PODAttention
 from podcute.kernels.config import arch_head_dims
 from podcute.launch import requested_arch
-from podcute.plan import Planner
+from podcute.plan import H100_HBM_BYTES_PER_SM_CLOCK, Planner
 from podcute.reference import pod_attention_reference
 from podcute.testing import handover_lengths, make_batch, quantize_kv_cache
 
@@ -58,7 +58,7 @@ def main(small: bool, only: str = "") -> int:
         # %smid with lists grouped by kind (Planner._pair_by_sm): the claim and release
         ("16-slot boxes p16 mixed+splits as on an H100", 8, 2, 128, 16, "table", True,
          [300 // s, 1, 1, 5, 0, 1, 8], [700, 64, 1, 900, 17, 8000 // s, 8],
-         dict(hbm_bytes_per_sm_clock=12.8)),
+         dict(hbm_bytes_per_sm_clock=H100_HBM_BYTES_PER_SM_CLOCK)),
         ("gather p8 mixed+splits", 8, 2, 128, 8, "table", True,
          [300 // s, 1, 1, 5, 0, 1, 8], [700, 64, 1, 900, 17, 8000 // s, 8]),
         ("gather p1 csr D64", 8, 8, 64, 1, "csr", True, [1, 2, 200 // s], [3000 // s, 40, 500]),

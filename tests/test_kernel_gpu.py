@@ -17,7 +17,7 @@ import torch
 from podcute import PODAttention
 from podcute.kernels.config import arch_head_dims
 from podcute.launch import requested_arch
-from podcute.plan import Planner
+from podcute.plan import H100_HBM_BYTES_PER_SM_CLOCK as H100_HBM, Planner
 from podcute.reference import pod_attention_reference
 from podcute.testing import (CHECK_DEFAULTS, EXTRA_FEATURE_CASES, FEATURE_CASES, NUM_SPLIT_CASES,
                              RANDOM_FEATURE_PRESETS, RANDOM_FEATURE_SHAPES, WIDE_PAGES,
@@ -35,7 +35,6 @@ if not HAS_SM90:
 ARCH = requested_arch(None) or "sm_90a"
 TOL = {torch.bfloat16: 5e-3, torch.float16: 2e-3}
 LSE_TOL = 1e-3
-H100_HBM = 12.8  # HBM bytes per SM clock of an H100 SXM (plan.chip_hbm_bytes_per_sm_clock)
 NUM_RANDOM = int(os.environ.get("PODCUTE_GPU_RANDOM", "200"))
 NUM_WIDE = int(os.environ.get("PODCUTE_GPU_WIDE", "40"))
 # First seed of every random sweep (mixed, wide, features, fp8): a new start draws batches

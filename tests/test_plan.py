@@ -17,12 +17,11 @@ from hypothesis import strategies as st
 
 from podcute.kernels.config import SUPPORTED_PAGE_SIZES, KernelConfig
 from podcute.kernels.metadata import KIND_BITS, KIND_MASK, IParam, Kind, MergeCol, WorkCol
-from podcute.plan import (DEFAULT_COST_MODEL, H200_HBM_BYTES_PER_SM_CLOCK, CapacityError,
-                          CostModel, Planner, PlanSummary, capacities,
-                          chip_hbm_bytes_per_sm_clock)
+from podcute.plan import (DEFAULT_COST_MODEL, H100_HBM_BYTES_PER_SM_CLOCK as H100_HBM,
+                          H200_HBM_BYTES_PER_SM_CLOCK, CapacityError, CostModel, Planner,
+                          PlanSummary, capacities, chip_hbm_bytes_per_sm_clock)
 
 KIND_PREFILL, KIND_DECODE = int(Kind.PREFILL), int(Kind.DECODE)
-H100_HBM = 12.8  # HBM bytes per SM clock of an H100 SXM (chip_hbm_bytes_per_sm_clock)
 
 _PLANNERS = {}
 
@@ -694,14 +693,11 @@ def test_lists_of_one_sm_run_different_kinds_first(seed):
     check_plan(plan, q_lens, kv_lens, pages["block_table"].numel())
     assert p._h["iparams"][IParam.LISTS_BY_SM] == 1
     work, ptr, cost = plan.work.numpy().copy(), plan.cta_ptr.numpy().copy(), plan.item_cost_us
-    p._pair_by_sm = False  # the same batch interleaved
-    try:
-        inter = p.plan(cu, kvl, **pages)
-        assert p._h["iparams"][IParam.LISTS_BY_SM] == 0
-        w0, c0 = inter.work.numpy(), inter.item_cost_us
-        assert (inter.cta_ptr.numpy() == ptr).all()
-    finally:
-        p._pair_by_sm = True
+    h200 = planner(32, 8, 128, 16, arch="sm_90")  # a host-only planner: the H200's rate
+    inter = h200.plan(cu, kvl, **pages)  # the same batch interleaved
+    assert not h200._pair_by_sm and h200._h["iparams"][IParam.LISTS_BY_SM] == 0
+    w0, c0 = inter.work.numpy(), inter.item_cost_us
+    assert (inter.cta_ptr.numpy() == ptr).all()
     for c in range(p.grid):
         a, b = ptr[c], ptr[c + 1]
         k = work[a:b, WorkCol.KIND] & KIND_MASK
@@ -733,9 +729,6 @@ def test_lists_of_one_sm_run_different_kinds_first(seed):
     hopper = planner(32, 8, 128, 16, hbm_bytes_per_sm_clock=H100_HBM)
     hopper.plan(cu, kvl, **pages)
     assert not hopper._pair_by_sm and hopper._h["iparams"][IParam.LISTS_BY_SM] == 0
-    h200 = planner(32, 8, 128, 16, arch="sm_90")  # a host-only planner: the H200's rate
-    h200.plan(cu, kvl, **pages)
-    assert not h200._pair_by_sm and h200._h["iparams"][IParam.LISTS_BY_SM] == 0
 
 
 def test_chip_bandwidth_decides_the_sm_pairs():
@@ -753,7 +746,8 @@ def test_chip_bandwidth_decides_the_sm_pairs():
     assert chip_hbm_bytes_per_sm_clock(SimpleNamespace(multi_processor_count=132)) is None
     below = DEFAULT_COST_MODEL.pair_kinds_below_bytes_per_sm_clock
     assert H100_HBM < below < H200_HBM_BYTES_PER_SM_CLOCK
-    for arch, rate, paired in (("sm_90", H100_HBM, True), ("sm_90", 18.8, False),
+    for arch, rate, paired in (("sm_90", H100_HBM, True),
+                               ("sm_90", H200_HBM_BYTES_PER_SM_CLOCK, False),
                                ("sm_90", None, False), ("sm_90a", H100_HBM, False)):
         p = Planner(32, 8, 128, 16, device="cpu", arch=arch, hbm_bytes_per_sm_clock=rate)
         assert p._pair_by_sm == paired, (arch, rate)

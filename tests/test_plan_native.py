@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from podcute import plan_native
-from podcute.plan import Planner
+from podcute.plan import H100_HBM_BYTES_PER_SM_CLOCK, Planner
 from podcute.testing import mixed_lengths
 
 pytestmark = pytest.mark.skipif(plan_native.load() is None,
@@ -19,8 +19,8 @@ _PAIRS = {}
 
 
 def _pair(hq, hkv, d, page, num_sms, arch, cap, hbm=None):
-    """hbm: HBM bytes per SM clock (12.8, an H100's: the warp-level kernel's SM pairs run
-    grouped lists; None: the H200's, interleaved lists with their heads swapped)."""
+    """hbm: HBM bytes per SM clock (an H100's: the warp-level kernel's SM pairs run grouped
+    lists; None: the H200's, interleaved lists with their heads swapped)."""
     key = (hq, hkv, d, page, num_sms, arch, cap, hbm)
     if key not in _PAIRS:
         kw = dict(device="cpu", num_sms=num_sms, arch=arch, max_batch_size=cap,
@@ -73,7 +73,7 @@ def test_native_and_numpy_plans_agree(seed):
         page = rng.choice([1, 16, 128])
         num_sms = rng.choice([132, 132, 7, 61, 1])
         arch = rng.choice(["sm_90a", "sm_90a", "sm_80", "sm_90"])
-        native, ref = _pair(*shape, page, num_sms, arch, 512, rng.choice([12.8, None]))
+        native, ref = _pair(*shape, page, num_sms, arch, 512, rng.choice([H100_HBM_BYTES_PER_SM_CLOCK, None]))
         causal = rng.random() < 0.7
         cu, kw = _batch(rng, page, causal)
         opts = dict(causal=causal)
