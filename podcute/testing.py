@@ -6,7 +6,10 @@ last page, pages nobody uses, the K/V columns next to a strided q) holds `garbag
 pages, so a kernel that reads outside the contract produces NaN, not a plausible number.
 """
 
+import contextlib
+import dataclasses
 import math
+import os
 import random
 from dataclasses import dataclass
 
@@ -434,3 +437,31 @@ def fp8_test_variants():
         for page in FP8_RANDOM_SHAPES["pages"] for dtype in (torch.bfloat16, torch.float16)
         for causal in (True, False)]
     return [_select_kwargs(dict(FP8_DEFAULTS, **c)) for c in cases]
+
+
+# Set to 1 on a GPU run, the kernel tests, tests/gpu_sanitize.py and perf.warm_cache run
+# the kernels with KernelConfig.decode_kv_evict_first (`decode_evict_first`).
+DECODE_EVICT_FIRST_ENV = "PODCUTE_TEST_DECODE_EVICT_FIRST"
+
+
+@contextlib.contextmanager
+def decode_evict_first(on: bool = True):
+    """Inside, every kernel configuration chosen (KernelConfig.select) has
+    decode_kv_evict_first = `on`: how the GPU tests and the experiments run the flagged
+    kernels before the flag is any variant's default."""
+    from podcute.kernels.config import KernelConfig
+
+    select = KernelConfig.__dict__["select"]
+    KernelConfig.select = staticmethod(lambda *a, **kw: dataclasses.replace(
+        select.__func__(*a, **kw), decode_kv_evict_first=on))
+    try:
+        yield
+    finally:
+        KernelConfig.select = select
+
+
+def decode_evict_first_from_env():
+    """`decode_evict_first()` where $PODCUTE_TEST_DECODE_EVICT_FIRST is 1, else nothing."""
+    if os.environ.get(DECODE_EVICT_FIRST_ENV, "") == "1":
+        return decode_evict_first()
+    return contextlib.nullcontext()

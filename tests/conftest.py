@@ -6,6 +6,16 @@ import os
 import pytest
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _decode_evict_first():
+    """$PODCUTE_TEST_DECODE_EVICT_FIRST=1: the kernels run with
+    KernelConfig.decode_kv_evict_first (podcute.testing.decode_evict_first)."""
+    from podcute.testing import decode_evict_first_from_env
+
+    with decode_evict_first_from_env():
+        yield
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _gpu_report(request):
     """After a module that keeps a `_report` dict (the GPU tests), write it as JSON to

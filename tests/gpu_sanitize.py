@@ -241,9 +241,12 @@ def main_legacy(small: bool) -> int:
 
 
 if __name__ == "__main__":
+    from podcute.testing import decode_evict_first_from_env
+
     only = sys.argv[sys.argv.index("--case") + 1] if "--case" in sys.argv else ""
-    if "--legacy" in sys.argv:
-        sys.exit(main_legacy("--small" in sys.argv))
-    if "--fp8" in sys.argv:
-        sys.exit(main_fp8("--small" in sys.argv, only))
-    sys.exit(main("--small" in sys.argv, only))
+    with decode_evict_first_from_env():  # $PODCUTE_TEST_DECODE_EVICT_FIRST=1: flagged kernels
+        if "--legacy" in sys.argv:
+            sys.exit(main_legacy("--small" in sys.argv))
+        if "--fp8" in sys.argv:
+            sys.exit(main_fp8("--small" in sys.argv, only))
+        sys.exit(main("--small" in sys.argv, only))

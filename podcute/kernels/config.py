@@ -131,6 +131,13 @@ class KernelConfig:
     # its K/V rows from the ragged tensors, seen as one page holding its tokens
     # (layouts.ragged_locate); every other request reads the paged cache.
     ragged_kv: bool = False
+    # Decode items copy K/V with an L2 evict-first policy (their rows are read once in the
+    # launch), so that streaming them does not push out the K/V of the batch's prefill
+    # requests, which each row tile of a request reads again (docs/performance.md,
+    # "twenty-seventh session"). The warp-level kernel: its items of <= 16 rows; sm_90a:
+    # its decode items (every copy carries a policy, evict-normal for prefill items).
+    # Off until measured on a GPU.
+    decode_kv_evict_first: bool = False
 
     # ---- derived ----------------------------------------------------------------------
 

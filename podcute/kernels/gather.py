@@ -8,12 +8,15 @@ issues 16-byte cp.async copies for its chunks of them.
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync
+
+from podcute.kernels.ptx import cp_async_16_with_policy
+from podcute.kernels.smem import swizzled_address
 
 COPY_BITS = 128  # 16-byte cp.async: global rows must be 16-byte aligned (checked by the API)
 
@@ -59,19 +62,22 @@ class RowGather:
         return self.tXcX[0, m, 0][0]
 
     @cute.jit
-    def copy_rows(self, sX: cute.Tensor, gmem_row: Callable):
+    def copy_rows(self, sX: cute.Tensor, gmem_row: Callable,
+                  l2_policy: Optional[Int64] = None):
         """Copy each of this thread's tile rows r (the m-th) from the (D,) global tensor
-        `gmem_row(m, r)` into sX[r, :]."""
+        `gmem_row(m, r)` into sX[r, :]; with `l2_policy` (`ptx.l2_evict_first_policy`)
+        the copies carry it as their L2 cache hint."""
         tXsX = self.thr_copy.partition_D(sX)
         if const_expr(self.rolled):
             for m in cutlass.range(cute.size(tXsX, mode=[1]), unroll=1):
-                self._copy_row(tXsX, m, gmem_row)
+                self._copy_row(tXsX, m, gmem_row, l2_policy)
         else:
             for m in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
-                self._copy_row(tXsX, m, gmem_row)
+                self._copy_row(tXsX, m, gmem_row, l2_policy)
 
     @cute.jit
-    def _copy_row(self, tXsX: cute.Tensor, m, gmem_row: Callable):
+    def _copy_row(self, tXsX: cute.Tensor, m, gmem_row: Callable,
+                  l2_policy: Optional[Int64]):
         """The copies of this thread's m-th row."""
         elem_bytes = self.dtype.width // 8
         # Rebuild the row pointer with the 16-byte alignment the API guarantees:
@@ -79,11 +85,12 @@ class RowGather:
         base = gmem_row(m, self.row(m)).iterator.toint()
         for k in cutlass.range_constexpr(cute.size(tXsX, mode=[2])):
             col = self.tXcX[0, m, k][1]
-            src_ptr = cute.make_ptr(
-                self.dtype,
-                base + Int64(col * elem_bytes),
-                cute.AddressSpace.gmem,
-                assumed_align=16,
-            )
-            src = cute.make_tensor(src_ptr, tXsX[None, m, k].layout)
-            cute.copy(self.tiled_copy, src, tXsX[None, m, k])
+            if const_expr(l2_policy is not None):
+                # (the DSL's cp.async atom has no L2 hint: the same 16-byte copy in PTX)
+                dst = swizzled_address(tXsX[None, m, k].iterator)
+                cp_async_16_with_policy(dst, base + Int64(col * elem_bytes), l2_policy)
+            else:
+                src_ptr = cute.make_ptr(self.dtype, base + Int64(col * elem_bytes),
+                                        cute.AddressSpace.gmem, assumed_align=16)
+                src = cute.make_tensor(src_ptr, tXsX[None, m, k].layout)
+                cute.copy(self.tiled_copy, src, tXsX[None, m, k])

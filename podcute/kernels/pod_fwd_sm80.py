@@ -36,6 +36,7 @@ beside their O would leave the rest of the loop too few registers).
 Each path (`run_item`) holds only its own rows' O and softmax state.
 """
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -56,7 +57,7 @@ from podcute.kernels.epilogue import store_fragments, store_lse, store_partial
 from podcute.kernels.gather import RowGather
 from podcute.kernels.metadata import IParam, Param, sm_list_words
 from podcute.kernels.pod_kernel import PodKernelBase
-from podcute.kernels.ptx import kept_in_loop, sm_id
+from podcute.kernels.ptx import kept_in_loop, l2_evict_first_policy, sm_id
 from podcute.kernels.mma_utils import (acc_as_operand_a_layout, rows_cols_view, warp_gemm,
                                        warp_gemm_by_columns)
 from podcute.kernels.softmax import LOG2_E, OnlineSoftmax, rescale_rows, softcap_scores
@@ -112,6 +113,8 @@ class KvSource:
     gather: RowGather
     page_divisor: layouts.PageShift
     pages: cute.Tensor
+    # copies under an L2 evict-first policy (`KernelConfig.decode_kv_evict_first`)
+    evict_first: bool = False
 
 
 @dataclass(frozen=True)
@@ -278,6 +281,9 @@ class PodAttentionSm80(PodKernelBase):
         pages = cute.make_rmem_tensor(kv_gather.rows_per_thread, Int32)
         kv = KvSource(mK, mV, mKRagged, mVRagged, sK, sV, mPageList, kv_gather,
                       layouts.PageShift(page_shift), pages)
+        # Decode items read their K/V rows once in the launch; a prefill request's K/V is
+        # read by each of its row tiles.
+        kv_once = dataclasses.replace(kv, evict_first=self.cfg.decode_kv_evict_first)
         out = ItemOutputs(mO, mLSE, mSinks, mPartialO, mPartialLSE)
 
         warp_id = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -294,7 +300,7 @@ class PodAttentionSm80(PodKernelBase):
             if n_rows <= WARP_ROWS:
                 # Decode items (and any item of at most 16 rows): every warp takes 16 keys
                 # of each tile with all of the rows, and the warps fold at the end.
-                self.run_item(0, item, mQ, sQ, kv, sVt, sScratch, tiled_mma_qk,
+                self.run_item(0, item, mQ, sQ, kv_once, sVt, sScratch, tiled_mma_qk,
                               tiled_mma_pv, out, mParams, mIParams, tidx, warp_id)
             else:
                 if const_expr(self.m_blocks == 1):
@@ -698,7 +704,8 @@ class PodAttentionSm80(PodKernelBase):
             slot = layouts.ragged_locate(Int32(0), slot, token, ragged)[1]
             return layouts.kv_row_in(mKV, mKVRagged, ragged, kv.pages[m], slot, item.kv_head)
 
-        kv.gather.copy_rows(sX, row)
+        kv.gather.copy_rows(sX, row, l2_evict_first_policy() if const_expr(kv.evict_first)
+                            else None)
 
     # ---- scores -----------------------------------------------------------------------
 

@@ -39,7 +39,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
 from podcute import layouts
@@ -54,7 +54,7 @@ from podcute.kernels.epilogue import (staging_tile, store_fragments, store_lse, 
 from podcute.kernels.gather import RowGather
 from podcute.kernels.metadata import IParam, Param, WorkCol
 from podcute.kernels.pod_kernel import PodKernelBase
-from podcute.kernels.ptx import kept_in_loop
+from podcute.kernels.ptx import kept_in_loop, l2_evict_first_policy, l2_policy_read_once
 from podcute.kernels.mma_utils import acc_as_operand_a_layout, rows_cols_view, warpgroup_gemm
 from podcute.kernels.softmax import LOG2_E, OnlineSoftmax, rescale_rows, softcap_scores
 from podcute.kernels.smem import smem_atom, tile_smem_layout
@@ -554,23 +554,28 @@ class PodAttentionSm90(PodKernelBase):
                                       kv_count=kv_count, item=item, n_min=n_min, n_max=n_max)
                         # The ragged source's item takes its own copy of the loop: a runtime
                         # choice inside it would cost the 24-register producer spills.
+                        paged = partial(tma, mK=mK, mV=mV, tma_atom_k=tma_atom_k,
+                                        tma_atom_v=tma_atom_v)
                         if const_expr(self.cfg.ragged_kv):
                             if item.req == layouts.RAGGED_REQUEST:
                                 tma(mK=mKRagged, mV=mVRagged, tma_atom_k=tma_atom_kr,
                                     tma_atom_v=tma_atom_vr, ragged=True)
                             else:
-                                tma(mK=mK, mV=mV, tma_atom_k=tma_atom_k, tma_atom_v=tma_atom_v)
+                                self.copies_by_kind(paged, item)
                         else:
-                            tma(mK=mK, mV=mV, tma_atom_k=tma_atom_k, tma_atom_v=tma_atom_v)
+                            self.copies_by_kind(paged, item)
                 if const_expr(self.fp8 and roles & ROLE_CONVERT):
                     if warp != 0 and group < self.cfg.converter_groups:
                         convert()
             else:
+                l2_policy = None
+                if const_expr(self.cfg.decode_kv_evict_first):
+                    l2_policy = l2_policy_read_once(item.is_decode)
                 gather = partial(self.produce_kv_gather, mPageList=mPageList,
                                  page_divisor=page_divisor, kv_gather=kv_gather, sK=sK_in,
                                  sV=sV_in, sPages=sPages, pipeline_k=pipe_k_in,
                                  pipeline_v=pipe_v_in, kv_count=kv_count, item=item,
-                                 n_min=n_min, n_max=n_max)
+                                 n_min=n_min, n_max=n_max, l2_policy=l2_policy)
                 if const_expr(self.fp8):  # (one loop for all roles: roles is every bit)
                     if warp < self.cfg.num_loaders // 32:  # loaders, then converters
                         gather(mK=mK, mV=mV)
@@ -585,6 +590,21 @@ class PodAttentionSm90(PodKernelBase):
                     else:
                         gather(mK=mK, mV=mV)
             kv_count += n_max - n_min
+
+    @cute.jit
+    def copies_by_kind(self, copy_kv, item: WorkItem):
+        """`copy_kv` (the item's TMA copies); with KernelConfig.decode_kv_evict_first a
+        decode item's under an L2 evict-first policy: it holds every row of its request,
+        so its K/V rows are read once in the launch, a prefill request's by each of its
+        row tiles. (A copy of the loop per kind: a policy chosen at run time inside it
+        spilled the 24-register producer.)"""
+        if const_expr(self.cfg.decode_kv_evict_first):
+            if item.is_decode:
+                copy_kv(l2_policy=l2_evict_first_policy())
+            else:
+                copy_kv()
+        else:
+            copy_kv()
 
     @property
     def copy_stages(self) -> int:
@@ -657,7 +677,8 @@ class PodAttentionSm90(PodKernelBase):
     @cute.jit
     def produce_kv_tma(self, mK, mV, mPageList, page_divisor, tma_atom_k, tma_atom_v,
                        sK, sV, pipeline_k, pipeline_v, kv_count: Int32, item: WorkItem,
-                       n_min: Int32, n_max: Int32, ragged: cutlass.Constexpr[bool] = False):
+                       n_min: Int32, n_max: Int32, ragged: cutlass.Constexpr[bool] = False,
+                       l2_policy: Optional[Int64] = None):
         """TMA boxes of `kv_box` page slots x one swizzle column block for every K and V
         tile, issued by one warp (tile n_min is the pipeline's kv_count-th).
 
@@ -668,7 +689,8 @@ class PodAttentionSm90(PodKernelBase):
         the item's last token (its own page), whose K scores the consumer masks and
         whose V rows it zeroes. No page-table entry past the request's pages is read.
         `ragged`: mK/mV are the ragged source, one page of the item's tokens (no page
-        table; boxes past its end are zero-filled).
+        table; boxes past its end are zero-filled). `l2_policy`: the copies' L2 cache
+        hint (KernelConfig.decode_kv_evict_first), or none.
         """
         tile_n, kv_box = self.tile_n, self.cfg.kv_box
         boxes = tile_n // kv_box
@@ -703,10 +725,12 @@ class PodAttentionSm90(PodKernelBase):
             kv_state = stage(kv_count + n_block - n_min, self.copy_stages, producer=True)
             pipeline_k.producer_acquire(kv_state)
             self._copy_boxes(tma_atom_k, tKgK, tKsK, tile_page, tile_box, in_group * boxes,
-                             kv_state, pipeline_k.producer_get_barrier(kv_state), boxes, pieces)
+                             kv_state, pipeline_k.producer_get_barrier(kv_state), boxes, pieces,
+                             l2_policy)
             pipeline_v.producer_acquire(kv_state)
             self._copy_boxes(tma_atom_v, tVgV, tVsV, tile_page, tile_box, in_group * boxes,
-                             kv_state, pipeline_v.producer_get_barrier(kv_state), boxes, pieces)
+                             kv_state, pipeline_v.producer_get_barrier(kv_state), boxes, pieces,
+                             l2_policy)
 
     @cute.jit
     def _locate_box(self, mPageList, page_divisor, item: WorkItem, lane_box: Int32,
@@ -723,14 +747,15 @@ class PodAttentionSm90(PodKernelBase):
     @cute.jit
     def _copy_boxes(self, tma_atom, tXgX, tXsX, page: Int32, box_in_page: Int32,
                     first_lane: Int32, kv_state, barrier, boxes: cutlass.Constexpr[int],
-                    pieces: cutlass.Constexpr[int]):
+                    pieces: cutlass.Constexpr[int], l2_policy: Optional[Int64] = None):
         """The boxes of one K or V tile: box j from lane first_lane + j's (page, box within
         page). A rolled loop: unrolled, the compiler hoists every broadcast ahead of the
         copies and the producer's 24 registers spill."""
+        hint = {} if const_expr(l2_policy is None) else {"cache_policy": l2_policy}
         if const_expr(boxes == 1 and not self.fp8):
             for h in cutlass.range_constexpr(pieces):
                 cute.copy(tma_atom, tXgX[None, box_in_page, h, page],
-                          tXsX[None, 0, h, kv_state.index], tma_bar_ptr=barrier)
+                          tXsX[None, 0, h, kv_state.index], tma_bar_ptr=barrier, **hint)
         else:
             # fp8 (one copy per box: a whole 128-byte row, so the broadcasts are half the
             # work): unrolled, their latencies overlap; the 64-register producer has room.
@@ -739,7 +764,7 @@ class PodAttentionSm90(PodKernelBase):
                 box_j = cute.arch.shuffle_sync(box_in_page, first_lane + j)
                 for h in cutlass.range_constexpr(pieces):
                     cute.copy(tma_atom, tXgX[None, box_j, h, page_j],
-                              tXsX[None, j, h, kv_state.index], tma_bar_ptr=barrier)
+                              tXsX[None, j, h, kv_state.index], tma_bar_ptr=barrier, **hint)
 
     def _tma_tiles(self, tma_atom, mX_tma, sX, kv_head):
         """(smem boxes (TMA, box, column block, stage), gmem boxes (TMA, box within page,
@@ -755,7 +780,8 @@ class PodAttentionSm90(PodKernelBase):
     @cute.jit
     def produce_kv_gather(self, mK, mV, mPageList, page_divisor, kv_gather, sK, sV, sPages,
                           pipeline_k, pipeline_v, kv_count: Int32, item: WorkItem,
-                          n_min: Int32, n_max: Int32, ragged: cutlass.Constexpr[bool] = False):
+                          n_min: Int32, n_max: Int32, ragged: cutlass.Constexpr[bool] = False,
+                          l2_policy: Optional[Int64] = None):
         """cp.async gather of K/V page rows by the whole producer warpgroup (tile n_min is
         the pipeline's kv_count-th).
 
@@ -791,11 +817,11 @@ class PodAttentionSm90(PodKernelBase):
 
             kv_state = stage(kv_count + n_block - n_min, self.copy_stages, producer=True)
             pipeline_k.producer_acquire(kv_state)
-            kv_gather.copy_rows(sK[None, None, kv_state.index], row_of(mK))
+            kv_gather.copy_rows(sK[None, None, kv_state.index], row_of(mK), l2_policy)
             cute.arch.cp_async_commit_group()
             pipeline_k.producer_commit(kv_state)
             pipeline_v.producer_acquire(kv_state)
-            kv_gather.copy_rows(sV[None, None, kv_state.index], row_of(mV))
+            kv_gather.copy_rows(sV[None, None, kv_state.index], row_of(mV), l2_policy)
             cute.arch.cp_async_commit_group()
             pipeline_v.producer_commit(kv_state)
             # The other buffer was last read for the previous tile, before this tile's

@@ -10,6 +10,9 @@ ldmatrix reads and the rows a warp's 16-byte copies write fall in distinct banks
 from typing import Optional
 
 import cutlass.cute as cute
+from cutlass import Int32
+from cutlass._mlir.dialects import cute as _cute_ir
+from cutlass.cutlass_dsl import dsl_user_op
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.utils import LayoutEnum
@@ -31,3 +34,11 @@ def tile_smem_layout(dtype, rows: int, cols: int, stages: Optional[int] = None,
     if stages is None:
         return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
     return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
+
+
+@dsl_user_op
+def swizzled_address(ptr, *, loc=None, ip=None) -> Int32:
+    """The shared-memory byte address a pointer into a swizzled tile refers to, for inline
+    PTX: `toint` gives the address before the swizzle, which the DSL's own loads and
+    stores apply (its `apply_swizzle` op, used here too)."""
+    return _cute_ir.apply_swizzle(ptr.value, loc=loc, ip=ip).toint(loc=loc, ip=ip)
