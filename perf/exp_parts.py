@@ -4,7 +4,7 @@ of the two the fused launch overlaps.
 
     PODCUTE_ARCH=sm_90 python -m perf.exp_parts [PAGE] [W1,W2,...] [--one-cta-per-sm]
         [--variant planner|by-sm|blockidx|grouped-blockidx|swap-by-sm] [--fused-only]
-        [--hbm-scale F]
+        [--hbm-scale F] [--decode-evict-first]
 
 --one-cta-per-sm also times each at one CTA an SM (the planner told the chip has half its
 SMs: as many CTAs as SMs, which the block scheduler spreads one an SM): a part much
@@ -16,6 +16,12 @@ beside a CTA of the other kind.
 with another chip's HBM rate (0.68: an H100's against the H200-calibrated cost model);
 --fused-only skips the parts. The session-26 runs (docs/performance.md) alternated
 `--variant V --fused-only` over the variants, three rounds, on an H100 and an H200.
+
+--decode-evict-first runs the kernels with KernelConfig.decode_kv_evict_first (decode
+items' K/V copies under an L2 evict-first policy; either kernel, PODCUTE_ARCH picks):
+the twenty-seventh session's prediction is that a mixed batch's fused time then falls
+from about (decode bytes + every prefill row tile's K/V re-read from HBM) / bandwidth
+towards its roofline, while its parts alone do not move (`perf.l2_model`).
 """
 import argparse
 import dataclasses
@@ -26,7 +32,7 @@ from perf import workloads as W
 from perf.timing import time_gpu
 import podcute.plan as P
 from podcute import PODAttention
-from podcute.testing import make_batch
+from podcute.testing import decode_evict_first, make_batch
 
 
 VARIANTS = ("planner", "by-sm", "blockidx", "grouped-blockidx", "swap-by-sm")
@@ -79,7 +85,14 @@ def main(argv=None) -> int:
     p.add_argument("--fused-only", action="store_true", help="not the parts alone")
     p.add_argument("--hbm-scale", type=float, default=1.0,
                    help="the cost model's HBM rate times this (another chip's bandwidth)")
+    p.add_argument("--decode-evict-first", action="store_true",
+                   help="kernels with KernelConfig.decode_kv_evict_first")
     args = p.parse_args(argv)
+    with decode_evict_first(args.decode_evict_first):
+        return _run(args)
+
+
+def _run(args) -> int:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     grids = [("", None)] + ([(" 1/SM", sms // 2)] if args.one_cta_per_sm else [])
     for w in W.MAIN:

@@ -5,7 +5,7 @@ local memory; this says whether they sit in a tile loop (paid every tile) or in 
 code (paid once an item).
 
     python -m perf.sass_loops --arch sm_90 --head-dims 128 --groups 4 [--features ...]
-        [--dtypes bfloat16] [--all-loops] [--keep DIR]
+        [--dtypes bfloat16] [--all-loops] [--keep DIR] [--decode-evict-first]
 
 Needs `nvdisasm` (`NVDISASM=...`, on PATH, or the `nvidia-cuda-nvdisasm` wheel:
 `pip download --no-deps nvidia-cuda-nvdisasm` and unzip it; its binary is
@@ -15,6 +15,7 @@ branch. Nested loops are listed each on their own; by default only loops with MM
 
 import argparse
 import collections
+import dataclasses
 import os
 import re
 import shutil
@@ -86,14 +87,19 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", default="bfloat16")
     ap.add_argument("--all-loops", action="store_true", help="also loops without MMAs")
     ap.add_argument("--keep", default=None, help="copy each cubin into this folder")
+    ap.add_argument("--decode-evict-first", action="store_true",
+                    help="the variants with KernelConfig.decode_kv_evict_first")
     args = ap.parse_args(argv)
-    from podcute.compile import compile_variant, ptx_dump_dir, shipped_variants
+    from podcute.compile import VariantKey, compile_variant, ptx_dump_dir, shipped_variants
 
     head_dims = [int(d) for d in args.head_dims.split(",")] if args.head_dims else None
     keys = shipped_variants(args.arch, head_dims=head_dims,
                             groups=tuple(int(g) for g in args.groups.split(",")),
                             features=tuple(args.features.split(",")),
                             dtypes=args.dtypes.split(","))
+    if args.decode_evict_first:
+        keys = [VariantKey.make(dataclasses.replace(k.config, decode_kv_evict_first=True))
+                for k in keys]
     dump = ptx_dump_dir()  # (every variant's dump has the same file names: cleared first)
     for key in keys:
         shutil.rmtree(dump, ignore_errors=True)

@@ -5,6 +5,8 @@ the carried cache instead of compiling:
     CUTE_DSL_ARCH=sm_90a PODCUTE_CACHE_DIR=.device/pcache python -m perf.warm_cache [-j 2]
 
 (`.device/` is git-ignored and carried to the device; set PODCUTE_CACHE_DIR there too.)
+With PODCUTE_TEST_DECODE_EVICT_FIRST=1, the variants with KernelConfig.decode_kv_evict_first
+(podcute.testing.decode_evict_first).
 """
 
 from __future__ import annotations
@@ -52,6 +54,13 @@ def main(argv=None) -> int:
                         "kernel's variants, those it has)")
     args = p.parse_args(argv)
     os.environ.setdefault("CUTE_DSL_ARCH", args.arch)
+    from podcute.testing import decode_evict_first_from_env
+
+    with decode_evict_first_from_env():
+        return _warm(args)
+
+
+def _warm(args) -> int:
     from podcute.compile import VariantKey, compile_many
     from podcute.kernels.config import KernelConfig, WARP_MMA_ARCHS
 

@@ -451,3 +451,19 @@ def test_sass_loops_finds_back_branches_and_counts_inside():
     outer, inner = found[(0x10, 0x60)], found[(0x30, 0x40)]
     assert (outer["HMMA"], outer["LDSM"], outer["LDL"], outer["STL"], outer["BRA"]) == (1, 1, 1, 1, 2)
     assert sum(inner.values()) == 2 and inner["LDL"] == 1
+
+
+def test_l2_model_traffic_by_hand():
+    """perf.l2_model: M3's decode streams 128 x 8192 keys once; its 4096-token causal
+    prefill has 128 row tiles of 32 tokens (128 packed rows at group 4) per KV head, tile
+    t reading keys [0, 32 (t + 1)): 32 x 128 x 129 / 2 keys over, against 4096 once."""
+    from perf.l2_model import traffic
+
+    t = traffic(W.M3)
+    per_key = 8 * 128 * 2 * 2
+    assert t["decode"] == 128 * 8192 * per_key
+    assert t["prefill_once"] == 4096 * per_key
+    assert t["prefill_tiles"] == 32 * 128 * 129 // 2 * per_key
+    assert t["q_o"] == 2 * (4096 + 128) * 32 * 128 * 2
+    # and the roofline's bytes are the once line (perf.workloads.bytes_moved)
+    assert W.bytes_moved(W.M3) == t["decode"] + t["prefill_once"] + t["q_o"]

@@ -1,0 +1,68 @@
+"""Model (CPU only): a mixed batch's HBM traffic when its prefill K/V stays in L2 and when
+every prefill row tile re-reads it from HBM, against the fused times measured on the H200.
+
+A prefill request's K/V is read by each of its row tiles (128 packed rows: 32 tokens at
+GQA group 4, each tile up to its causal diagonal), so the kernels read it about
+q_len / 32 / 2 times over. Alone (F1, a prefill part) those re-reads hit L2 (ncu: DRAM 6 %
+busy on F1). Beside 128 decode requests streaming their K/V once, they need not: between
+two reads of a prefill line the decode stream passes tens of MB through the 50 MB L2. The
+model prices the batch at the copy bandwidth both ways:
+
+    once:     (decode K/V + prefill K/V once + Q and O) / bandwidth   (the roofline)
+    all-miss: (decode K/V + every prefill tile's K/V reads + Q and O) / bandwidth
+
+and prints them beside the measured fused times of both kernels (`MEASURED`). The
+twenty-seventh session found the measured times at the all-miss line (docs/performance.md)
+and added KernelConfig.decode_kv_evict_first, whose prediction this prints: with decode
+lines evicted first, the fused time falls from the all-miss line towards the once line.
+
+    python -m perf.l2_model
+"""
+from perf import workloads as W
+
+TILE_ROWS = 128  # packed rows of a prefill item (both kernels at D 128)
+COPY_TB_S = 4.27  # the H200's copy bandwidth, read + write (perf.bench, session 24)
+# Fused GPU ms at page 16 on the H200: the portable kernel (PODCUTE_ARCH=sm_90, planner
+# as on main 0779876, `perf.exp_parts --variant blockidx`, session 26) and the sm_90a
+# kernel (perf/results/bench.md, ab4499f).
+MEASURED = {"M1": (0.323, 0.330), "M2": (0.780, 0.774), "M3": (1.205, 1.259),
+            "M5": (0.421, 0.410), "P1": (0.728, 0.666)}
+
+
+def traffic(w: W.Workload) -> dict:
+    """Bytes of `w` (bf16) by kind: decode K/V, prefill K/V once and as every row tile
+    reads it, Q and O."""
+    group = w.num_qo_heads // w.num_kv_heads
+    per_key = w.num_kv_heads * w.head_dim * W.ELEM_BYTES * 2  # K and V of every KV head
+    out = dict(decode=0, prefill_once=0, prefill_tiles=0, q_o=0)
+    tokens_per_tile = TILE_ROWS // group
+    for q, kv in zip(w.q_lens, w.kv_lens):
+        out["q_o"] += 2 * q * w.num_qo_heads * w.head_dim * W.ELEM_BYTES
+        if q == 1:
+            out["decode"] += kv * per_key
+            continue
+        out["prefill_once"] += kv * per_key
+        for first in range(0, q, tokens_per_tile):
+            last = kv - q + min(first + tokens_per_tile, q)  # the tile's causal diagonal
+            out["prefill_tiles"] += (last if w.causal else kv) * per_key
+    return out
+
+
+def main() -> int:
+    print("workload | decode GB | prefill K/V once MB / every tile GB | once ms | all-miss ms"
+          " | measured portable / sm_90a ms")
+    for w in W.MAIN:
+        if w.name not in MEASURED:
+            continue
+        t = traffic(w)
+        once = (t["decode"] + t["prefill_once"] + t["q_o"]) / COPY_TB_S / 1e9
+        miss = (t["decode"] + t["prefill_tiles"] + t["q_o"]) / COPY_TB_S / 1e9
+        portable, hopper = MEASURED[w.name]
+        print(f"{w.name} | {t['decode'] / 1e9:.2f} | {t['prefill_once'] / 1e6:.0f} / "
+              f"{t['prefill_tiles'] / 1e9:.2f} | {once:.3f} | {miss:.3f} | "
+              f"{portable:.3f} / {hopper:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
