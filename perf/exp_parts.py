@@ -3,7 +3,7 @@ part and its decode part alone (each planned and run as its own batch), to see h
 of the two the fused launch overlaps.
 
     PODCUTE_ARCH=sm_90 python -m perf.exp_parts [PAGE] [W1,W2,...] [--one-cta-per-sm]
-        [--variant planner|by-sm|blockidx|grouped-blockidx|swap-by-sm] [--fused-only]
+        [--variant planner|interleaved|grouped] [--fused-only]
         [--hbm-scale F] [--decode-evict-first]
 
 --one-cta-per-sm also times each at one CTA an SM (the planner told the chip has half its
@@ -12,10 +12,11 @@ slower so than at two says one CTA cannot keep its SM busy alone (a decoding CTA
 cover HBM latency with its K/V stages), which is what each CTA of a fused launch faces
 beside a CTA of the other kind.
 
---variant separates the two halves of the SM pairing (fused_ms) and --hbm-scale plans
-with another chip's HBM rate (0.68: an H100's against the H200-calibrated cost model);
+--variant picks the lists' order whatever the chip (fused_ms) and --hbm-scale plans with
+another chip's HBM rate (0.68: an H100's against the H200-calibrated cost model);
 --fused-only skips the parts. The session-26 runs (docs/performance.md) alternated
-`--variant V --fused-only` over the variants, three rounds, on an H100 and an H200.
+`--variant V --fused-only` over the variants, three rounds, on an H100 and an H200 (then
+also with the lists taken by %smid, a kernel mode since removed: it gained nothing).
 
 --decode-evict-first runs the kernels with KernelConfig.decode_kv_evict_first (decode
 items' K/V copies under an L2 evict-first policy; either kernel, PODCUTE_ARCH picks):
@@ -35,16 +36,16 @@ from podcute import PODAttention
 from podcute.testing import decode_evict_first, make_batch
 
 
-VARIANTS = ("planner", "by-sm", "blockidx", "grouped-blockidx", "swap-by-sm")
+VARIANTS = ("planner", "interleaved", "grouped")
 
 
 def fused_ms(w, q_lens, kv_lens, page, num_sms=None, variant="planner", hbm_scale=1.0):
-    """variant: how the lists of a mixed batch meet the SMs (of the warp-level kernel at
-    two CTAs an SM). planner: the planner's choice for this chip; by-sm: grouped by kind,
-    taken by %smid (the choice on an H100); blockidx: the list-head swap, CTA c runs list c
-    (the choice on an H200);
-    grouped-blockidx: grouped by kind, CTA c runs list c; swap-by-sm: the list-head swap,
-    taken by %smid. hbm_scale: the planner's cost model with this times its HBM rate."""
+    """variant: how a mixed batch's lists order their kinds (the warp-level kernel at two
+    CTAs an SM). planner: the planner's choice for this chip; interleaved: the kinds
+    interleaved, each list led by the kind its slot wants (the choice on an H200);
+    grouped: each list's kinds one after the other, lists s prefill first and s + num_sms
+    decode first (the choice on an H100). hbm_scale: the planner's cost model with this
+    times its HBM rate."""
     b = make_batch(q_lens, kv_lens, num_qo_heads=w.num_qo_heads, num_kv_heads=w.num_kv_heads,
                    head_dim=w.head_dim, page_size=page, device="cuda", pool_factor=1.1,
                    garbage=0.0)
@@ -54,24 +55,16 @@ def fused_ms(w, q_lens, kv_lens, page, num_sms=None, variant="planner", hbm_scal
         kw_plan["cost_model"] = dataclasses.replace(
             P.DEFAULT_COST_MODEL, hbm_bytes_per_s=P.DEFAULT_COST_MODEL.hbm_bytes_per_s * hbm_scale)
     if variant != "planner":  # the grouping comes with the H100's rate, not the H200's
-        kw_plan["hbm_bytes_per_sm_clock"] = (
-            P.H100_HBM_BYTES_PER_SM_CLOCK if variant in ("by-sm", "grouped-blockidx")
-            else P.H200_HBM_BYTES_PER_SM_CLOCK)
-    iparam = P.IParam
+        kw_plan["hbm_bytes_per_sm_clock"] = (P.H100_HBM_BYTES_PER_SM_CLOCK
+                                             if variant == "grouped"
+                                             else P.H200_HBM_BYTES_PER_SM_CLOCK)
     P.Planner.__init__ = lambda self, *a, **kw: init(self, *a, **dict(kw, **kw_plan))
-    if variant in ("grouped-blockidx", "swap-by-sm"):
-        # the planner writes its flag to a spare word (metadata.NUM_PARAMS); the kernel's
-        # word keeps what is set below
-        P.IParam = type("IParam", (), {k: int(getattr(iparam, k)) for k in
-                                       ("WINDOW_LEFT", "WINDOW_RIGHT")} | {"LISTS_BY_SM": 7})
     try:
         attn = PODAttention(w.num_qo_heads, w.num_kv_heads, w.head_dim, page, device="cuda",
                             max_batch_size=len(q_lens), max_num_tokens=sum(q_lens))
-        attn.planner._h["iparams"][iparam.LISTS_BY_SM] = int(variant == "swap-by-sm")
         attn.plan(b.cu_seqlens_q, b.seqused_k, block_table=b.block_table, causal=w.causal)
     finally:
         P.Planner.__init__ = init
-        P.IParam = iparam
     out = torch.empty_like(b.q)
     return time_gpu(lambda i: attn.run(b.q, b.k_cache, b.v_cache, out=out), reps=30).ms
 

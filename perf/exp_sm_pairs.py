@@ -4,8 +4,10 @@ fused launch's overlap of prefill with decode rests on what co-resident CTAs run
 kernel with the portable kernel's block (128 threads) and shared memory (two CTAs an SM)
 records each CTA's %smid and start/end times (%globaltimer_lo) while it spins.
 On the H100 (2026-12-05) 24-72 of the 132 SMs held CTAs s and s + 132, the rest other
-pairs, and the map changed between launches: so the warp-level kernel's CTAs take their
-lists by %smid (`PodAttentionSm80.claim_list`).
+pairs, and the map changed between launches. The first 132 CTAs take one SM each, so
+lists grouped by kind (s prefill first, s + 132 decode first: `Planner._group_lists`)
+give every SM one of each whatever the map; taking the lists by %smid (sessions 25-26)
+gained nothing over that and was removed.
 
     python -m perf.exp_sm_pairs [--smem-kb 97] [--spin-us 50]
 """

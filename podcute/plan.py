@@ -53,7 +53,7 @@ import torch
 from podcute import plan_native
 from podcute.kernels.config import SUPPORTED_PAGE_SIZES, KernelConfig
 from podcute.kernels.metadata import (KIND_BITS, KIND_MASK, MERGE_COLS, NUM_PARAMS, WORK_COLS,
-                                      IParam, Kind, MergeCol, Param, WorkCol, sm_list_words)
+                                      IParam, Kind, MergeCol, Param, WorkCol)
 from podcute.kernels.visibility import load_start_host, visible_end_host
 
 _ALIGN = 16  # int32 elements: metadata segments start on 64-byte boundaries
@@ -146,7 +146,7 @@ class CostModel:
     # kind reaches every CTA. More = finer interleave, more partials; bounds capacities().
     chunks_per_cta: int = 1
     elem_bytes: int = 2  # bf16 / fp16
-    # The warp-level kernel pairs each SM's two CTAs by kind (`Planner._pair_by_sm`) only
+    # The warp-level kernel pairs each SM's two CTAs by kind (`Planner._group_kinds`) only
     # on a chip with fewer HBM bytes per SM clock than this (`chip_hbm_bytes_per_sm_clock`):
     # on an H100 (12.8) that made the mixed batches 2-6 % faster, on the H200 (18.8)
     # 1-4 % slower (docs/performance.md, "twenty-sixth session").
@@ -638,9 +638,9 @@ class Planner:
     ``s + num_sms``, ... are SM ``s``'s; the sm_90a kernel runs one CTA an SM). Within an
     SM, and between neighbouring SMs when an SM runs one CTA, lists alternate the kind
     they start with, so at any moment both kinds run across the chip. On a chip short of
-    HBM bandwidth per SM (``hbm_bytes_per_sm_clock``, default the device's) the
-    warp-level kernel's CTAs take the lists by the SM they run on (`IParam.LISTS_BY_SM`)
-    and each list runs its kinds one after the other (`_group_lists`).
+    HBM bandwidth per SM (``hbm_bytes_per_sm_clock``, default the device's) each of the
+    warp-level kernel's lists runs its kinds one after the other instead, lists ``s``
+    prefill first and ``s + num_sms`` decode first (`_group_lists`).
 
     Capacities: ``max_batch_size`` requests, ``max_num_tokens`` query tokens and
     ``max_num_pages`` page-list entries (a block table costs B x the most pages any of its
@@ -714,14 +714,15 @@ class Planner:
         slot = lists // self.num_sms if kernel.ctas_per_sm > 1 else lists
         self._odd = (slot & 1).astype(bool)
         # The warp-level kernel at two CTAs an SM, on a chip short of HBM bandwidth per SM
-        # (CostModel.pair_kinds_below_bytes_per_sm_clock): its CTAs take lists s,
-        # s + num_sms by the SM they run on (metadata.IParam.LISTS_BY_SM), and in a batch
-        # of both kinds each list runs its kinds one after the other (`_group_lists`), so
-        # that the CTAs of an SM run different kinds, where a block scheduler's placement
-        # paired lists at random and interleaved lists put two prefill items on one SM as
-        # often. Elsewhere CTA c runs list c, each list led by the kind its slot wants.
+        # (CostModel.pair_kinds_below_bytes_per_sm_clock): in a batch of both kinds each
+        # list runs its kinds one after the other (`_group_lists`), lists s prefill first
+        # and s + num_sms decode first. The block scheduler puts CTAs 0..num_sms-1 one an
+        # SM and the rest on the SMs' second slots in an order of its own
+        # (`perf.exp_sm_pairs`), so either way each SM's two CTAs run different kinds
+        # (taking the lists by %smid instead measured no faster, session 26). Elsewhere
+        # each list interleaves the kinds, led by the kind its slot wants.
         self.hbm_bytes_per_sm_clock = float(hbm_bytes_per_sm_clock)
-        self._pair_by_sm = (kernel.warp_mma and kernel.ctas_per_sm == 2
+        self._group_kinds = (kernel.warp_mma and kernel.ctas_per_sm == 2
                             and self.hbm_bytes_per_sm_clock
                             < cost_model.pair_kinds_below_bytes_per_sm_clock)
 
@@ -787,9 +788,7 @@ class Planner:
         self._staging = self._staging_t.numpy()
         self._page_staging = self._page_staging_t.numpy()
         self._segs = segs
-        # (+ the words with which the warp-level kernel's CTAs take their lists by SM)
-        self._merge_sem = torch.zeros(cap.merges + sm_list_words(grid, self.num_sms),
-                                      dtype=torch.int32, device=dev)
+        self._merge_sem = torch.zeros(cap.merges, dtype=torch.int32, device=dev)
         D, tm = cfg.head_dim, cfg.kernel.partial_rows
         self._partial_o = torch.empty(cap.slots, tm, D, dtype=torch.float32, device=dev)
         self._partial_lse = torch.empty(cap.slots, tm, dtype=torch.float32, device=dev)
@@ -1148,8 +1147,6 @@ class Planner:
             hs["params"][Param.SOFTCAP] = options.softcap
         hs["iparams"][IParam.WINDOW_LEFT] = left
         hs["iparams"][IParam.WINDOW_RIGHT] = right
-        # (the lists the expansion grouped by kind, `_group_lists`, are taken by SM)
-        hs["iparams"][IParam.LISTS_BY_SM] = int(lay.order is not None)
         hs["cta_ptr"][:] = lay.ptr
         hs["q_start"][: B + 1] = cu
         hs["kv_len"][:B] = kvl
@@ -1509,7 +1506,7 @@ class Planner:
         wk[:, WorkCol.SPLIT_SLOT] = slot if num_slots else -1
         swaps = None  # (rows, rows): list heads swapped with a later row of the other kind
         order = None  # where each row went when the lists were grouped by kind
-        if both and self._pair_by_sm:
+        if both and self._group_kinds:
             order = self._group_lists(wk, ptr, kind)
         elif both:
             # Even lists start with prefill, odd ones with decode (when they hold both): swap

@@ -134,7 +134,7 @@ class NativeBuilder:
         io.tm_p, io.r_p, io.min_tiles[0] = t.tile_m, t.us[0], t.min_tiles[0]
         io.bounded, io.right, io.left = options.bounded_right, options.right, options.window_left
         io.has_window, io.invariant = options.has_window, options.batch_invariant
-        io.group = planner._pair_by_sm  # (each list by kind: Planner._group_lists)
+        io.group = planner._group_kinds  # (each list by kind: Planner._group_lists)
         rc = self._fn(bufs.ref)
         if io.scratch_wanted > io.scratch_size:  # (it used malloc'ed blocks this time)
             bufs.grow_scratch(2 * io.scratch_wanted)

@@ -54,8 +54,8 @@ def main(small: bool, only: str = "") -> int:
         # (name, Hq, Hkv, D, page, fmt, causal, q_lens, kv_lens)
         ("16-slot boxes p16 mixed+splits", 8, 2, 128, 16, "table", True,
          [300 // s, 1, 1, 5, 0, 1, 8], [700, 64, 1, 900, 17, 8000 // s, 8]),
-        # the same planned as on an H100, whose SM pairs the warp-level kernel runs by
-        # %smid with lists grouped by kind (Planner._pair_by_sm): the claim and release
+        # the same planned as on an H100, where the warp-level kernel's lists run their
+        # kinds one after the other (Planner._group_kinds)
         ("16-slot boxes p16 mixed+splits as on an H100", 8, 2, 128, 16, "table", True,
          [300 // s, 1, 1, 5, 0, 1, 8], [700, 64, 1, 900, 17, 8000 // s, 8],
          dict(hbm_bytes_per_sm_clock=H100_HBM_BYTES_PER_SM_CLOCK)),

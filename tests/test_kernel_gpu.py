@@ -177,11 +177,9 @@ def test_batch_kinds(order):
 
 @pytest.mark.parametrize("sms", ["half", "odd", "more"])
 def test_lists_on_other_sms(sms):
-    """A grid planned for another SM count. The warp-level kernel's CTAs take their lists
-    by the SM they run on (metadata.IParam.LISTS_BY_SM; the planner told the chip is an
-    H100's, which it pairs so on any chip): with half the SMs, the CTAs on the rest claim
-    the lists no SM's own took; with more, the CTAs that wait for a slot past two an SM
-    do. Every list must run once and the words be zero after."""
+    """A grid planned for another SM count (the planner told the chip is an H100's, whose
+    lists it groups by kind on any chip): with half the SMs, or more than the chip has,
+    CTA c still runs list c, every list once."""
     chip = torch.cuda.get_device_properties(0).multi_processor_count
     n = {"half": chip // 2, "odd": chip // 2 + 1, "more": chip + 7}[sms]
     q_lens, kv_lens = [300, 1, 1, 5, 0, 1, 8] * 3, [700, 64, 1, 900, 17, 2000, 8] * 3

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from podcute.kernels.config import SUPPORTED_PAGE_SIZES, KernelConfig
-from podcute.kernels.metadata import KIND_BITS, KIND_MASK, IParam, Kind, MergeCol, WorkCol
+from podcute.kernels.metadata import KIND_BITS, KIND_MASK, Kind, MergeCol, WorkCol
 from podcute.plan import (DEFAULT_COST_MODEL, H100_HBM_BYTES_PER_SM_CLOCK as H100_HBM,
                           H200_HBM_BYTES_PER_SM_CLOCK, CapacityError, CostModel, Planner,
                           PlanSummary, capacities, chip_hbm_bytes_per_sm_clock)
@@ -678,24 +678,24 @@ def test_warp_kernel_cuts_prefill_into_shorter_tiles_when_few():
 
 @pytest.mark.parametrize("seed", range(4))
 def test_lists_of_one_sm_run_different_kinds_first(seed):
-    """The warp-level kernel at two CTAs an SM (its CTAs take lists s and s + num_sms by
-    the SM they run on: IParam.LISTS_BY_SM): in a mixed batch each list runs its kinds one
-    after the other, SM s's first list prefill first, its second decode first, holding
+    """The warp-level kernel at two CTAs an SM, on a chip short of HBM per SM (an H100):
+    in a mixed batch each list runs its kinds one after the other, lists s (one an SM, the
+    block scheduler's first wave) prefill first, lists s + num_sms decode first, holding
     the same rows as the interleaved plan, each kind in its order (so the decode ordinals
-    hold); one kind alone, or the sm_90a kernel (one CTA an SM), keeps blockIdx lists."""
+    hold); one kind alone, or the sm_90a kernel (one CTA an SM), keeps the interleaved
+    lists."""
     rng = np.random.default_rng(2000 + seed)
     q_lens, kv_lens = _mixed(rng, int(rng.integers(20, 200)), int(rng.integers(1, 4)),
                              int(rng.choice([2048, 8192])))
     cu, kvl, pages = lengths_to_inputs(q_lens, kv_lens, 16, "table", rng)
     p = planner(32, 8, 128, 16, arch="sm_90", hbm_bytes_per_sm_clock=H100_HBM)
-    assert p.config.kernel.ctas_per_sm == 2 and p._pair_by_sm
+    assert p.config.kernel.ctas_per_sm == 2 and p._group_kinds
     plan = p.plan(cu, kvl, **pages)
     check_plan(plan, q_lens, kv_lens, pages["block_table"].numel())
-    assert p._h["iparams"][IParam.LISTS_BY_SM] == 1
     work, ptr, cost = plan.work.numpy().copy(), plan.cta_ptr.numpy().copy(), plan.item_cost_us
     h200 = planner(32, 8, 128, 16, arch="sm_90")  # a host-only planner: the H200's rate
     inter = h200.plan(cu, kvl, **pages)  # the same batch interleaved
-    assert not h200._pair_by_sm and h200._h["iparams"][IParam.LISTS_BY_SM] == 0
+    assert not h200._group_kinds
     w0, c0 = inter.work.numpy(), inter.item_cost_us
     assert (inter.cta_ptr.numpy() == ptr).all()
     for c in range(p.grid):
@@ -725,10 +725,10 @@ def test_lists_of_one_sm_run_different_kinds_first(seed):
     decode_only = p.plan(torch.tensor([0, 1, 2], dtype=torch.int32),
                          torch.tensor([5, 6], dtype=torch.int32),
                          block_table=torch.zeros(2, 1, dtype=torch.int32))
-    assert decode_only.num_items and p._h["iparams"][IParam.LISTS_BY_SM] == 0
+    assert decode_only.num_items
     hopper = planner(32, 8, 128, 16, hbm_bytes_per_sm_clock=H100_HBM)
     hopper.plan(cu, kvl, **pages)
-    assert not hopper._pair_by_sm and hopper._h["iparams"][IParam.LISTS_BY_SM] == 0
+    assert not hopper._group_kinds
 
 
 def test_chip_bandwidth_decides_the_sm_pairs():
@@ -750,7 +750,7 @@ def test_chip_bandwidth_decides_the_sm_pairs():
                                ("sm_90", H200_HBM_BYTES_PER_SM_CLOCK, False),
                                ("sm_90", None, False), ("sm_90a", H100_HBM, False)):
         p = Planner(32, 8, 128, 16, device="cpu", arch=arch, hbm_bytes_per_sm_clock=rate)
-        assert p._pair_by_sm == paired, (arch, rate)
+        assert p._group_kinds == paired, (arch, rate)
     for bad in (0, -1.0, True, "12.8"):
         with pytest.raises(ValueError, match="hbm_bytes_per_sm_clock"):
             Planner(32, 8, 128, 16, device="cpu", arch="sm_90", hbm_bytes_per_sm_clock=bad)

@@ -51,14 +51,6 @@ KIND_BITS = 1
 KIND_MASK = (1 << KIND_BITS) - 1
 
 
-def sm_list_words(grid: int, num_sms: int) -> int:
-    """int32 words past the merge semaphores, in the same buffer (zero between launches),
-    with which the warp-level kernel's CTAs pick their lists by SM: [num_sms] counts of
-    the CTAs that came to each SM, [grid] claim flags (one a list), and a count of the
-    CTAs done, the last of which zeroes them all."""
-    return num_sms + grid + 1
-
-
 class Param(IntEnum):
     """float32 values a launch reads from plan-owned device memory, so a CUDA graph
     captured with one plan replays with another plan's values."""
@@ -79,9 +71,6 @@ class IParam(IntEnum):
     # planner folds causal into WINDOW_RIGHT (0).
     WINDOW_LEFT = 4
     WINDOW_RIGHT = 5
-    # 1: the warp-level kernel's CTAs take their lists by SM (`sm_list_words`), whose
-    # plan pairs the lists of one SM by kind; 0: CTA c runs list c.
-    LISTS_BY_SM = 6
 
 
 NUM_FLOAT_PARAMS = 4

@@ -55,9 +55,9 @@ from podcute.kernels.config import KernelConfig
 from podcute.kernels.dtypes import DTYPES
 from podcute.kernels.epilogue import store_fragments, store_lse, store_partial
 from podcute.kernels.gather import RowGather
-from podcute.kernels.metadata import IParam, Param, sm_list_words
+from podcute.kernels.metadata import IParam, Param
 from podcute.kernels.pod_kernel import PodKernelBase
-from podcute.kernels.ptx import kept_in_loop, l2_evict_first_policy, sm_id
+from podcute.kernels.ptx import kept_in_loop, l2_evict_first_policy
 from podcute.kernels.mma_utils import (acc_as_operand_a_layout, rows_cols_view, warp_gemm,
                                        warp_gemm_by_columns)
 from podcute.kernels.softmax import LOG2_E, OnlineSoftmax, rescale_rows, softcap_scores
@@ -211,9 +211,6 @@ class PodAttentionSm80(PodKernelBase):
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
-            # the CTA's list (claim_list), and whether it is the last done (release_lists):
-            # each word written once, by thread 0 before a barrier
-            sList: cute.struct.Align[cute.struct.MemRange[Int32, 2], 16]
 
         self.shared_storage = SharedStorage
         self.kernel(
@@ -287,10 +284,7 @@ class PodAttentionSm80(PodKernelBase):
         out = ItemOutputs(mO, mLSE, mSinks, mPartialO, mPartialLSE)
 
         warp_id = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        sList = storage.sList.get_tensor(cute.make_layout(2))
         cta = cute.arch.block_idx()[0]
-        if mIParams[IParam.LISTS_BY_SM] != 0:
-            cta = self.claim_list(mMergeSem, sList, tidx)
         for i in cutlass.range(mCtaPtr[cta], mCtaPtr[cta + 1], unroll=1):
             item = WorkItem.load(mWork, mQStart, mKvLen, mPageStart, i)
             n_rows = item.row_end - item.row_start
@@ -323,81 +317,6 @@ class PodAttentionSm80(PodKernelBase):
             # and sV before the next item's copies overwrite them)
             cute.arch.cp_async_wait_group(0)
             cute.arch.barrier()
-        if mIParams[IParam.LISTS_BY_SM] != 0:  # (reread: no register held through the loop)
-            self.release_lists(mMergeSem, sList, tidx)
-
-    # ---- which list a CTA runs ----------------------------------------------------------
-
-    @cute.jit
-    def sm_words(self, mMergeSem: cute.Tensor):
-        """(first word of `metadata.sm_list_words`, the SMs the plan counts, the grid)."""
-        grid = cute.arch.grid_dim()[0]
-        num_sms = grid // self.cfg.ctas_per_sm
-        return cute.size(mMergeSem) - sm_list_words(grid, num_sms), num_sms, grid
-
-    @cute.jit
-    def claim_list(self, mMergeSem: cute.Tensor, sList: cute.Tensor, tidx: Int32) -> Int32:
-        """The list this CTA runs. The planner's lists s, s + num_sms are for one SM (one
-        runs its prefill items first, the other its decode items: `Planner._group_lists`),
-        but the block scheduler does not place CTAs s and s + num_sms on one SM, and the
-        pairs it makes change from launch to launch (`perf.exp_sm_pairs`). So the k-th CTA
-        to arrive on SM s claims list k * num_sms + s; a CTA on an SM past the plan's
-        count, or past ctas_per_sm on one (an SM freed by another kernel), or whose list
-        such a CTA took first, claims the next free list from its own index. One claim
-        flag a list, as many CTAs as lists: every list runs once."""
-        if tidx == 0:
-            base, num_sms, grid = self.sm_words(mMergeSem)
-            claims = base + num_sms
-            sm = sm_id()
-            want = Int32(-1)
-            if sm < num_sms:
-                k = cute.arch.atomic_add(mMergeSem.iterator + base + sm, Int32(1))
-                if k < self.cfg.ctas_per_sm:
-                    want = k * num_sms + sm
-            got = Int32(-1)
-            if want >= 0:
-                if cute.arch.atomic_cas(mMergeSem.iterator + claims + want, cmp=Int32(0),
-                                        val=Int32(1)) == 0:
-                    got = want
-            # (from its own index: CTAs that run one after another, as under a sanitizer,
-            # find a free list at once instead of all scanning the same claimed ones)
-            tried = Int32(0)
-            while (got < 0) & (tried < grid):
-                free = cute.arch.block_idx()[0] + tried
-                if free >= grid:
-                    free -= grid
-                if cute.arch.atomic_cas(mMergeSem.iterator + claims + free, cmp=Int32(0),
-                                        val=Int32(1)) == 0:
-                    got = free
-                tried += 1
-            if got < 0:
-                # (cannot happen while the words start each launch at zero; should they
-                # not, say two launches on one plan's buffers at once, blockIdx's list
-                # rather than an index past the lists)
-                got = cute.arch.block_idx()[0]
-            sList[0] = got
-        cute.arch.barrier()
-        return sList[0]
-
-    @cute.jit
-    def release_lists(self, mMergeSem: cute.Tensor, sList: cute.Tensor, tidx: Int32):
-        """Count this CTA done; the last zeroes the words (`claim_list`'s) for the next
-        launch (a CUDA graph replays with them zero, as the merge semaphores). (sList[1],
-        not [0]: a CTA with an empty list meets no barrier between claim_list's reads of
-        sList[0] and this write.)"""
-        base, num_sms, grid = self.sm_words(mMergeSem)
-        if tidx == 0:
-            # acq_rel: this CTA's claims come before its count, so the last CTA counted sees
-            # every claim done before it zeroes the words.
-            done = cute.arch.atomic_add(
-                mMergeSem.iterator + base + num_sms + grid, Int32(1), sem="acq_rel",
-                scope="gpu")
-            sList[1] = done
-        cute.arch.barrier()
-        if sList[1] == grid - 1:
-            for w in cutlass.range(tidx, sm_list_words(grid, num_sms), self.num_threads,
-                                   unroll=1):
-                mMergeSem[base + w] = Int32(0)
 
     @cute.jit
     def run_item(self, m_blocks: cutlass.Constexpr[int], item: WorkItem, mQ: cute.Tensor,
