@@ -4,7 +4,7 @@ of the two the fused launch overlaps.
 
     PODCUTE_ARCH=sm_90 python -m perf.exp_parts [PAGE] [W1,W2,...] [--one-cta-per-sm]
         [--variant planner|interleaved|grouped] [--fused-only]
-        [--hbm-scale F] [--decode-evict-first]
+        [--hbm-scale F] [--evict-first 0|1]
 
 --one-cta-per-sm also times each at one CTA an SM (the planner told the chip has half its
 SMs: as many CTAs as SMs, which the block scheduler spreads one an SM): a part much
@@ -18,11 +18,11 @@ another chip's HBM rate (0.68: an H100's against the H200-calibrated cost model)
 `--variant V --fused-only` over the variants, three rounds, on an H100 and an H200 (then
 also with the lists taken by %smid, a kernel mode since removed: it gained nothing).
 
---decode-evict-first runs the kernels with KernelConfig.decode_kv_evict_first (decode
-items' K/V copies under an L2 evict-first policy; either kernel, PODCUTE_ARCH picks):
-the twenty-seventh session's prediction is that a mixed batch's fused time then falls
-from about (decode bytes + every prefill row tile's K/V re-read from HBM) / bandwidth
-towards its roofline, while its parts alone do not move (`perf.l2_model`).
+--evict-first 0 / 1 runs the kernels without / with KernelConfig.decode_kv_evict_first
+(decode items' K/V copies under an L2 evict-first policy; either kernel, PODCUTE_ARCH
+picks; by default the variants' own choice, on): the twenty-seventh session's A/B of it
+(a mixed batch's fused time falls from about (decode bytes + every prefill row tile's
+K/V re-read from HBM) / bandwidth towards its roofline: `perf.l2_model`).
 """
 import argparse
 import dataclasses
@@ -78,10 +78,12 @@ def main(argv=None) -> int:
     p.add_argument("--fused-only", action="store_true", help="not the parts alone")
     p.add_argument("--hbm-scale", type=float, default=1.0,
                    help="the cost model's HBM rate times this (another chip's bandwidth)")
-    p.add_argument("--decode-evict-first", action="store_true",
-                   help="kernels with KernelConfig.decode_kv_evict_first")
+    p.add_argument("--evict-first", type=int, choices=(0, 1), default=None,
+                   help="kernels without (0) / with (1) KernelConfig.decode_kv_evict_first")
     args = p.parse_args(argv)
-    with decode_evict_first(args.decode_evict_first):
+    if args.evict_first is None:
+        return _run(args)
+    with decode_evict_first(bool(args.evict_first)):
         return _run(args)
 
 

@@ -17,8 +17,9 @@
 # PODCUTE_GRAPH_PAIRS (default 60), BENCH_ARGS (extra perf.bench arguments), DEADLINE_S
 # (seconds for all steps; later steps are cut short or skipped; default 560, inside a
 # device call's 600), PYTEST_ADDOPTS (e.g. a per-test --timeout, so a hung launch fails
-# its test instead of the whole step), PODCUTE_TEST_DECODE_EVICT_FIRST=1 (every step's
-# kernels with KernelConfig.decode_kv_evict_first; warm_cache compiles those too).
+# its test instead of the whole step), PODCUTE_TEST_DECODE_EVICT_FIRST=0 / 1 (every step's
+# kernels without / with KernelConfig.decode_kv_evict_first, on by default; warm_cache
+# compiles those).
 #
 # What comes back is one archive, $OUT/results.tgz (the device returns at most 8 files),
 # rewritten after every step: a call killed at its limit still returns the steps it

@@ -5,7 +5,7 @@ local memory; this says whether they sit in a tile loop (paid every tile) or in 
 code (paid once an item).
 
     python -m perf.sass_loops --arch sm_90 --head-dims 128 --groups 4 [--features ...]
-        [--dtypes bfloat16] [--all-loops] [--keep DIR] [--decode-evict-first]
+        [--dtypes bfloat16] [--all-loops] [--keep DIR] [--evict-first 0|1]
 
 Needs `nvdisasm` (`NVDISASM=...`, on PATH, or the `nvidia-cuda-nvdisasm` wheel:
 `pip download --no-deps nvidia-cuda-nvdisasm` and unzip it; its binary is
@@ -87,8 +87,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", default="bfloat16")
     ap.add_argument("--all-loops", action="store_true", help="also loops without MMAs")
     ap.add_argument("--keep", default=None, help="copy each cubin into this folder")
-    ap.add_argument("--decode-evict-first", action="store_true",
-                    help="the variants with KernelConfig.decode_kv_evict_first")
+    ap.add_argument("--evict-first", type=int, choices=(0, 1), default=None,
+                    help="the variants without (0) / with (1) "
+                         "KernelConfig.decode_kv_evict_first (default: as shipped, on)")
     args = ap.parse_args(argv)
     from podcute.compile import VariantKey, compile_variant, ptx_dump_dir, shipped_variants
 
@@ -97,9 +98,9 @@ def main(argv=None) -> int:
                             groups=tuple(int(g) for g in args.groups.split(",")),
                             features=tuple(args.features.split(",")),
                             dtypes=args.dtypes.split(","))
-    if args.decode_evict_first:
-        keys = [VariantKey.make(dataclasses.replace(k.config, decode_kv_evict_first=True))
-                for k in keys]
+    if args.evict_first is not None:
+        keys = [VariantKey.make(dataclasses.replace(
+            k.config, decode_kv_evict_first=bool(args.evict_first))) for k in keys]
     dump = ptx_dump_dir()  # (every variant's dump has the same file names: cleared first)
     for key in keys:
         shutil.rmtree(dump, ignore_errors=True)

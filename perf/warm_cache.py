@@ -5,8 +5,8 @@ the carried cache instead of compiling:
     CUTE_DSL_ARCH=sm_90a PODCUTE_CACHE_DIR=.device/pcache python -m perf.warm_cache [-j 2]
 
 (`.device/` is git-ignored and carried to the device; set PODCUTE_CACHE_DIR there too.)
-With PODCUTE_TEST_DECODE_EVICT_FIRST=1, the variants with KernelConfig.decode_kv_evict_first
-(podcute.testing.decode_evict_first).
+With PODCUTE_TEST_DECODE_EVICT_FIRST=0 / 1, the variants without / with
+KernelConfig.decode_kv_evict_first (podcute.testing.decode_evict_first; on by default).
 """
 
 from __future__ import annotations

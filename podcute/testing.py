@@ -439,8 +439,9 @@ def fp8_test_variants():
     return [_select_kwargs(dict(FP8_DEFAULTS, **c)) for c in cases]
 
 
-# Set to 1 on a GPU run, the kernel tests, tests/gpu_sanitize.py and perf.warm_cache run
-# the kernels with KernelConfig.decode_kv_evict_first (`decode_evict_first`).
+# Set to 1 (0) on a GPU run, the kernel tests, tests/gpu_sanitize.py and perf.warm_cache
+# run the kernels with (without) KernelConfig.decode_kv_evict_first (`decode_evict_first`);
+# unset, with the variants' own choice.
 DECODE_EVICT_FIRST_ENV = "PODCUTE_TEST_DECODE_EVICT_FIRST"
 
 
@@ -461,7 +462,9 @@ def decode_evict_first(on: bool = True):
 
 
 def decode_evict_first_from_env():
-    """`decode_evict_first()` where $PODCUTE_TEST_DECODE_EVICT_FIRST is 1, else nothing."""
-    if os.environ.get(DECODE_EVICT_FIRST_ENV, "") == "1":
-        return decode_evict_first()
+    """`decode_evict_first(on)` where $PODCUTE_TEST_DECODE_EVICT_FIRST is 1 (on) or 0
+    (off), else nothing."""
+    value = os.environ.get(DECODE_EVICT_FIRST_ENV, "")
+    if value in ("0", "1"):
+        return decode_evict_first(value == "1")
     return contextlib.nullcontext()

@@ -8,7 +8,7 @@ import pytest
 
 @pytest.fixture(scope="session", autouse=True)
 def _decode_evict_first():
-    """$PODCUTE_TEST_DECODE_EVICT_FIRST=1: the kernels run with
+    """$PODCUTE_TEST_DECODE_EVICT_FIRST=0 / 1: the kernels run without / with
     KernelConfig.decode_kv_evict_first (podcute.testing.decode_evict_first)."""
     from podcute.testing import decode_evict_first_from_env
 

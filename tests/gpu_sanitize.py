@@ -244,7 +244,7 @@ if __name__ == "__main__":
     from podcute.testing import decode_evict_first_from_env
 
     only = sys.argv[sys.argv.index("--case") + 1] if "--case" in sys.argv else ""
-    with decode_evict_first_from_env():  # $PODCUTE_TEST_DECODE_EVICT_FIRST=1: flagged kernels
+    with decode_evict_first_from_env():  # $PODCUTE_TEST_DECODE_EVICT_FIRST=0/1: the L2 hint
         if "--legacy" in sys.argv:
             sys.exit(main_legacy("--small" in sys.argv))
         if "--fp8" in sys.argv:

@@ -1,6 +1,6 @@
-"""KernelConfig.decode_kv_evict_first (off by default until a GPU measures it): decode
-items copy their K/V under an L2 evict-first policy, in both kernels, and every other copy
-is as without the flag. Compiled on the host (no GPU): each flagged variant compiles for
+"""KernelConfig.decode_kv_evict_first (on in every shipped variant): decode items copy
+their K/V under an L2 evict-first policy, in both kernels, and every other copy is as
+without the flag. Compiled on the host (no GPU): each flagged variant compiles for
 its target without a register spill (plain sm_90: no more than the unflagged variant),
 carries the evict-first policy on its K/V copies, and the unflagged variant has no such
 policy at all. Where the hinted copies' shared-memory addresses come from:
@@ -72,17 +72,17 @@ def test_decode_copies_carry_an_evict_first_policy(case):
     assert spill <= plain_spill and (arch == "sm_90" or spill == 0), (spill, plain_spill)
 
 
-def test_the_flag_is_off_in_every_shipped_variant():
+def test_the_flag_is_on_in_every_shipped_variant():
     from podcute.compile import shipped_variants
     from podcute.kernels.config import SUPPORTED_ARCHS
 
     for arch in SUPPORTED_ARCHS:
-        assert not any(k.config.decode_kv_evict_first for k in shipped_variants(arch))
+        assert all(k.config.decode_kv_evict_first for k in shipped_variants(arch))
 
 
 def test_the_tests_switch_the_flag_by_environment(monkeypatch):
     """podcute.testing.decode_evict_first: how the GPU tests, tests/gpu_sanitize.py and the
-    experiments run the flagged kernels ($PODCUTE_TEST_DECODE_EVICT_FIRST=1)."""
+    experiments run the kernels with or without the flag ($PODCUTE_TEST_DECODE_EVICT_FIRST)."""
     import podcute.plan as P
     from podcute.kernels.config import KernelConfig
     from podcute.testing import DECODE_EVICT_FIRST_ENV, decode_evict_first_from_env
@@ -94,8 +94,11 @@ def test_the_tests_switch_the_flag_by_environment(monkeypatch):
 
     monkeypatch.delenv(DECODE_EVICT_FIRST_ENV, raising=False)
     with decode_evict_first_from_env():
+        assert flags() == [True] * 3  # the default
+    monkeypatch.setenv(DECODE_EVICT_FIRST_ENV, "0")
+    with decode_evict_first_from_env():
         assert flags() == [False] * 3
     monkeypatch.setenv(DECODE_EVICT_FIRST_ENV, "1")
     with decode_evict_first_from_env():
         assert flags() == [True] * 3
-    assert flags() == [False] * 3
+    assert flags() == [True] * 3
