@@ -448,8 +448,8 @@ DECODE_EVICT_FIRST_ENV = "PODCUTE_TEST_DECODE_EVICT_FIRST"
 @contextlib.contextmanager
 def decode_evict_first(on: bool = True):
     """Inside, every kernel configuration chosen (KernelConfig.select) has
-    decode_kv_evict_first = `on`: how the GPU tests and the experiments run the flagged
-    kernels before the flag is any variant's default."""
+    decode_kv_evict_first = `on`: how the GPU tests and the experiments run the kernels
+    with and without the L2 hint (shipped on) for an A/B."""
     from podcute.kernels.config import KernelConfig
 
     select = KernelConfig.__dict__["select"]

@@ -14,6 +14,9 @@ or two blocks of 16 (rows 16 w and 64 + 16 w) of a 128-row prefill item
     shared-memory tiles;
   * S = Q K^T and O += P V are mma.sync over fragments read with ldmatrix (V through
     ldmatrix.trans);
+  * decode items' K/V copies carry an L2 evict-first policy
+    (`KernelConfig.decode_kv_evict_first`, `RowGather.copy_rows`): read once in the
+    launch, they leave L2 before the prefill's K/V, which each row tile reads again;
   * two K/V stages (`KernelConfig.num_stages`, where two CTAs of them fit an SM): tile
     n + 2 loads while tile n is computed, so a decoding CTA, whose one busy warp would
     otherwise wait out HBM latency twice a tile, keeps 32-64 KB in flight; one stage

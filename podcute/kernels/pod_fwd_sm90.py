@@ -10,7 +10,9 @@ CTA = 1 producer warpgroup + `num_mma_warpgroups` (2) MMA warpgroups, FA3's stru
   * producer (warpgroup 0, few registers): gathers Q rows with cp.async and streams K/V
     tiles into a multi-stage mbarrier pipeline: TMA boxes of whole tiles when a page
     holds them, boxes of 16 page slots for pages of 16-64 tokens, else a cp.async gather
-    of page rows;
+    of page rows; a decode item's copies carry an L2 evict-first policy
+    (`KernelConfig.decode_kv_evict_first`, `copies_by_kind`): read once in the launch,
+    they leave L2 before the prefill's K/V, which each row tile reads again;
   * MMA warpgroups (the rest of the registers), each with its own 64 rows of Q:
     S = Q K^T (wgmma SS), mask only on tiles that need it, online softmax in registers,
     O += P V (wgmma RS).
