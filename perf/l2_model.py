@@ -13,8 +13,10 @@ model prices the batch at the copy bandwidth both ways:
 
 and prints them beside the measured fused times of both kernels (`MEASURED`). The
 twenty-seventh session found the measured times at the all-miss line (docs/performance.md)
-and added KernelConfig.decode_kv_evict_first, whose prediction this prints: with decode
-lines evicted first, the fused time falls from the all-miss line towards the once line.
+and added KernelConfig.decode_kv_evict_first, predicting that with decode lines evicted
+first the fused time falls from the all-miss line towards the once line; the last column
+is the H200's answer (session 28): the sm_90a kernel's times fell 8-15 %, the portable
+kernel's 0-6 %.
 
     python -m perf.l2_model
 """
@@ -27,6 +29,10 @@ COPY_TB_S = 4.27  # the H200's copy bandwidth, read + write (perf.bench, session
 # kernel (perf/results/bench.md, ab4499f).
 MEASURED = {"M1": (0.323, 0.330), "M2": (0.780, 0.774), "M3": (1.205, 1.259),
             "M5": (0.421, 0.410), "P1": (0.728, 0.666)}
+# The same with decode_kv_evict_first (main ef98a47, session 28, `perf.bench --quick`:
+# perf/results/portable_sm90/bench.md and the sm_90a run beside it, docs/performance.md).
+MEASURED_HINT = {"M1": (0.310, 0.302), "M2": (0.754, 0.655), "M3": (1.176, 1.128),
+                 "M5": (0.418, 0.379), "P1": (0.683, 0.583)}
 
 
 def traffic(w: W.Workload) -> dict:
@@ -50,7 +56,7 @@ def traffic(w: W.Workload) -> dict:
 
 def main() -> int:
     print("workload | decode GB | prefill K/V once MB / every tile GB | once ms | all-miss ms"
-          " | measured portable / sm_90a ms")
+          " | measured portable / sm_90a ms | with the L2 hint")
     for w in W.MAIN:
         if w.name not in MEASURED:
             continue
@@ -58,9 +64,10 @@ def main() -> int:
         once = (t["decode"] + t["prefill_once"] + t["q_o"]) / COPY_TB_S / 1e9
         miss = (t["decode"] + t["prefill_tiles"] + t["q_o"]) / COPY_TB_S / 1e9
         portable, hopper = MEASURED[w.name]
+        portable_h, hopper_h = MEASURED_HINT[w.name]
         print(f"{w.name} | {t['decode'] / 1e9:.2f} | {t['prefill_once'] / 1e6:.0f} / "
               f"{t['prefill_tiles'] / 1e9:.2f} | {once:.3f} | {miss:.3f} | "
-              f"{portable:.3f} / {hopper:.3f}")
+              f"{portable:.3f} / {hopper:.3f} | {portable_h:.3f} / {hopper_h:.3f}")
     return 0
 
 
