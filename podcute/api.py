@@ -18,7 +18,7 @@ from podcute.compile import unsupported_arch_message
 from podcute.kernels.config import (FP8_KV_DTYPES, SUPPORTED_HEAD_DIMS, SUPPORTED_PAGE_SIZES,
                                     check_fp8_kv)
 from podcute.launch import launch, require_arch, resolve_arch
-from podcute.plan import CapacityError, Plan, Planner, PlanSummary
+from podcute.plan import F32_MAX, F32_TINY, CapacityError, Plan, PlanOptions, Planner, PlanSummary
 from podcute.reuse import CallPlanner
 
 __all__ = ["PODAttention", "pod_attention", "PlanSummary", "CapacityError", "KV_LAYOUTS"]
@@ -41,6 +41,26 @@ def _check_int(name, v, allowed=None, positive=True):
         raise ValueError(f"{name} must be one of {tuple(allowed)}, got {v}")
     if positive and v < 1:
         raise ValueError(f"{name} must be >= 1, got {v}")
+
+
+def check_head_dim(head_dim, name: str = "head_dim") -> None:
+    """A head dim podcute compiles, else NotImplementedError (a positive int: a model's
+    head size the kernels lack) or TypeError/ValueError (no head size at all)."""
+    if head_dim in SUPPORTED_HEAD_DIMS and type(head_dim) is int:
+        return
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int):
+        raise TypeError(f"{name} must be an int, got {type(head_dim).__name__}")
+    if head_dim < 1:
+        raise ValueError(f"{name} must be >= 1, got {head_dim}")
+    raise NotImplementedError(f"{name}={head_dim} is not supported by podcute (supported: "
+                              f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))})")
+
+
+def _check_sm_scale(sm_scale, name: str = "sm_scale") -> None:
+    """None or a real number (its value is the planner's to check: a positive float32)."""
+    if sm_scale is not None and (isinstance(sm_scale, bool)
+                                 or not isinstance(sm_scale, (int, float))):
+        raise TypeError(f"{name} must be a float or None, got {type(sm_scale).__name__}")
 
 
 def _check_layout(kv_layout):
@@ -193,9 +213,13 @@ def _scale_tensor(name: str, scale, num_kv_heads: int, device, cache: dict):
         return flat
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"{name} must be a float or a float32 tensor, got {type(scale).__name__}")
-    scale = float(scale)
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"{name} must be finite and > 0, got {scale}")
+    try:
+        scale = float(scale)
+    except OverflowError:  # an int past float64
+        scale = math.inf
+    if not F32_TINY <= scale <= F32_MAX:  # the kernel's float32, no subnormal (fast math)
+        raise ValueError(f"{name} must be finite and > 0, a normal float32 (1.2e-38 .. "
+                         f"3.4e38), got {scale}")
     hit = cache.get(scale)
     if hit is None:
         # (a fill kernel, not a host copy: it may run under CUDA-graph capture, where it is
@@ -247,7 +271,7 @@ class PODAttention:
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of "
                              f"num_kv_heads ({num_kv_heads})")
-        _check_int("head_dim", head_dim, SUPPORTED_HEAD_DIMS)
+        check_head_dim(head_dim)
         _check_int("page_size", page_size, SUPPORTED_PAGE_SIZES)
         _check_int("max_batch_size", max_batch_size)
         _check_int("max_num_tokens", max_num_tokens)
@@ -388,10 +412,7 @@ class PODAttention:
             raise ValueError("last_page_len needs the CSR page format (kv_indptr, kv_indices)")
         if not isinstance(causal, bool):
             raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-        if sm_scale is not None:
-            if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
-                raise TypeError(f"sm_scale must be a float or None, got {type(sm_scale).__name__}")
-            # Its value (a positive float32, the kernel's type) is checked by the planner.
+        _check_sm_scale(sm_scale)  # (its value is the planner's to check)
 
     def _common_case(self, plan: Plan, q, k_cache, v_cache, out) -> bool:
         """True if the run() arguments are valid: right types, dtypes, device, shapes,
@@ -554,7 +575,8 @@ class PODAttention:
             require_arch(self.device, self.arch)
             self._device_ok = True
         if not self.planner.frozen and torch.cuda.is_current_stream_capturing():
-            self.planner.freeze()  # the graph holds the buffers' addresses from now on
+            # the graph holds the buffers' addresses, and this plan's kernel variant
+            self.planner.freeze(plan.options)
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if return_lse and lse is None:
@@ -620,24 +642,28 @@ class PODAttention:
 # One-shot
 # --------------------------------------------------------------------------------------
 
-# Configuration -> (PODAttention, CallPlanner): the one-shot entry points (pod_attention,
-# podcute.compat) share one planner per head/page configuration and device.
+# (configuration, plan scalars) -> (PODAttention, CallPlanner): the one-shot entry points
+# (pod_attention, podcute.compat) share one attention per head/page configuration,
+# device and plan scalars (causal, scale, window, softcap, ...). Layers of different kinds
+# (sliding-window and full layers) thus keep a plan each, and a CUDA graph of a whole
+# step captures each kind's launches over its own buffers.
 _ONE_SHOT: dict = {}
 
 
-# What one_shot_for() saw (q's and the cache's dims, dtypes, device, layout) -> the
-# one_shot_attention() it returned: a layer's call of a configuration seen before skips
-# the checks (run() checks every tensor anyway).
+# What one_shot_for() saw (q's and the cache's dims, dtypes, device, layout, scalars) ->
+# the one_shot_attention() it returned: a layer's call of a configuration seen before
+# skips the checks (run() checks every tensor anyway).
 _ONE_SHOT_FOR: dict = {}
 
 
 def one_shot_attention(num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                        dtype: torch.dtype, kv_layout: str, device,
-                       kv_dtype: torch.dtype | None = None) -> tuple:
-    """The (PODAttention, CallPlanner) the one-shot entry points use for a configuration:
-    its plan is reused while a call's metadata stays the same (podcute.reuse)."""
+                       kv_dtype: torch.dtype | None = None, scalars: tuple = ()) -> tuple:
+    """The (PODAttention, CallPlanner) the one-shot entry points use for a configuration
+    and the plan scalars of a call (hashable; the entry point's own tuple)."""
     kv_dtype = dtype if kv_dtype is None else kv_dtype
-    key = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype, kv_layout, device, kv_dtype)
+    key = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype, kv_layout, device, kv_dtype,
+           scalars)
     hit = _ONE_SHOT.get(key)
     if hit is None:
         att = PODAttention(num_qo_heads, num_kv_heads, head_dim, page_size, dtype=dtype,
@@ -647,14 +673,15 @@ def one_shot_attention(num_qo_heads: int, num_kv_heads: int, head_dim: int, page
 
 
 def one_shot_for(q, k_cache, v_cache, kv_layout: str, *, where: str = "",
-                 names: tuple = ("q", "k_cache", "v_cache")) -> tuple:
+                 names: tuple = ("q", "k_cache", "v_cache"), scalars: tuple = ()) -> tuple:
     """one_shot_attention() of the configuration a call's tensors imply: q [T, Hq, D] and
     4-D caches in `kv_layout`, each check a named error before anything is planned.
-    `where` prefixes the messages and `names` are what the caller calls q and the caches."""
+    `where` prefixes the messages and `names` are what the caller calls q and the caches;
+    `scalars` (hashable, validated by the caller) pick the attention of a kind of layer."""
     try:
         qn, kn = q.shape, k_cache.shape
         memo = (len(qn), qn[1], qn[2], len(kn), kn[1], kn[2], kn[3], q.dtype, k_cache.dtype,
-                q.device, kv_layout)
+                q.device, kv_layout, scalars)
         hit = _ONE_SHOT_FOR.get(memo)
     except (AttributeError, IndexError, TypeError):
         memo = hit = None
@@ -688,16 +715,14 @@ def one_shot_for(q, k_cache, v_cache, kv_layout: str, *, where: str = "",
     if Hq % Hkv:
         raise ValueError(f"{where}{q_name}'s {Hq} heads must be a multiple of {k_name}'s {Hkv} "
                          "KV heads")
-    if D not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"{where}head_dim ({q_name}.shape[2]) must be one of "
-                         f"{SUPPORTED_HEAD_DIMS}, got {D}")
+    check_head_dim(D, f"{where}head_dim ({q_name}.shape[2])")
     if ps not in SUPPORTED_PAGE_SIZES:
         raise ValueError(f"{where}page_size ({k_name}.shape[{page_dim}]) must be one of "
                          f"{SUPPORTED_PAGE_SIZES}, got {ps}")
     # An fp8 cache selects fp8 variants (PODAttention checks the head dim); any other
     # cache dtype is run()'s to refuse.
     kv_dtype = k_cache.dtype if k_cache.dtype in _FP8_DTYPES else None
-    hit = one_shot_attention(Hq, Hkv, D, ps, q.dtype, kv_layout, q.device, kv_dtype)
+    hit = one_shot_attention(Hq, Hkv, D, ps, q.dtype, kv_layout, q.device, kv_dtype, scalars)
     if memo is not None:
         _ONE_SHOT_FOR[memo] = hit
     return hit
@@ -709,31 +734,40 @@ def pod_attention(q, k_cache, v_cache, *, cu_seqlens_q, seqused_k, block_table, 
                   k_scale=None, v_scale=None):
     """One call: plan + run (FlashAttention-style arguments; `window_size`, `softcap`,
     `sinks`, `batch_invariant`, and for fp8 caches `k_scale`/`v_scale`, as
-    PODAttention.plan/run). The plan is reused by the
-    next calls while their index tensors are the same and unchanged (``podcute.reuse``:
-    per layer of a step only the first call plans); pass the index tensors on the CPU to
-    keep that plan() free of GPU syncs."""
+    PODAttention.plan/run). A later call reuses the plan only while its index tensors
+    live on the CPU (or are NumPy arrays) and hold the same values (``podcute.reuse``:
+    per layer of a step only the first call plans); index tensors on the device plan
+    every call (one device->host copy): keep them on the CPU, or use PODAttention's
+    plan()/run() to name the plan yourself."""
     window = tuple(window_size) if isinstance(window_size, (tuple, list)) else window_size
     index = (cu_seqlens_q, seqused_k, block_table)
     scalars = (causal, sm_scale, window, softcap, batch_invariant)
-    hit = one_shot_fast(_LAST_POD, kv_layout, index, scalars, q, k_cache, v_cache, out)
+    hit = one_shot_fast(_LAST_POD, (kv_layout, scalars), index, scalars, q, k_cache, v_cache,
+                        out)
     if hit is not None:
         return hit._run_checked(hit._plan, q, k_cache, v_cache, out, return_lse, None, sinks,
                                 k_scale, v_scale)
     _check_layout(kv_layout)
-    att, planner = one_shot_for(q, k_cache, v_cache, kv_layout)
+    options = PlanOptions.make(causal, window, softcap, batch_invariant)  # named errors
+    _check_sm_scale(sm_scale)
+    scalars = (causal, sm_scale, (options.window_left, options.window_right), softcap,
+               batch_invariant)
+    att, planner = one_shot_for(q, k_cache, v_cache, kv_layout, where="pod_attention: ",
+                                scalars=scalars)
     planner.plan(index, scalars,
                  lambda: att.plan(cu_seqlens_q, seqused_k, block_table=block_table,
                                   causal=causal, sm_scale=sm_scale, window_size=window,
                                   softcap=softcap, batch_invariant=batch_invariant,
-                                  _kv_name="seqused_k"))
+                                  _kv_name="seqused_k"),
+                 where="pod_attention: ")
     res = att.run(q, k_cache, v_cache, out=out, return_lse=return_lse, sinks=sinks,
                   k_scale=k_scale, v_scale=v_scale)
-    _LAST_POD[kv_layout] = (att, planner)
+    _LAST_POD[(kv_layout, scalars)] = (att, planner)
     return res
 
 
-# kv_layout -> the (PODAttention, CallPlanner) of pod_attention's last call that launched.
+# (kv_layout, scalars) -> the (PODAttention, CallPlanner) of pod_attention's last call
+# of that kind that launched.
 _LAST_POD: dict = {}
 
 
@@ -755,3 +789,4 @@ def one_shot_fast(last: dict, slot, index: tuple, scalars: tuple, q, k_cache, v_
             and att._common_case(att._plan, q, k_cache, v_cache, out)):
         return att
     return None
+

@@ -67,6 +67,11 @@ MAX_NUM_PAGES = 2**30  # page-list entries (page_start + page index stay int32)
 MAX_WORK_ITEMS = 2**31 // WORK_COLS // 2
 
 
+# float32's smallest normal and largest finite values: scales the kernel reads as float32
+# must lie between them (a subnormal flushes to 0 in its fast math).
+F32_TINY, F32_MAX = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
+
+
 class CapacityError(ValueError):
     """A batch does not fit the planner's buffers, which cannot grow: a CUDA graph holds
     their addresses (after :meth:`Planner.freeze`), or the size is past a hard limit."""
@@ -379,8 +384,9 @@ class Plan:
     # Rows of a prefill item: the kernel's tile_m_prefill, or for a batch whose taller
     # groups would not fill the grid, tile_m_decode (Planner._choose_tiling).
     prefill_tile_m: int
-    # Upper bound of the page indices that requests with queries read (-1: none); exact
-    # for CSR and for block tables whose unused entries are not larger. check_pages().
+    # Upper bound of the page indices that requests with queries read (-1: none), taken
+    # from the plan's own copy of the pages (what the kernel reads); exact for CSR and
+    # for block tables whose unused entries are not larger. check_pages().
     max_page_index: int
     buffer_epoch: int  # planner buffer generation: changes only when buffers are regrown
     summary: PlanSummary
@@ -389,7 +395,7 @@ class Plan:
     q_lens: np.ndarray = field(repr=False)
     kv_lens: np.ndarray = field(repr=False)
     needed_pages: np.ndarray = field(repr=False)  # pages read: ceil(kv_len / page); 0 if q_len 0
-    _pages: "_PageSet" = field(repr=False, default=None)
+    _pages: "_PageSet" = field(repr=False, default=None)  # over the plan's page copy
     # () -> (item_cost_us, cta_cost_us, the lists' prefill time), computed on first call
     _costs: object = field(repr=False, default=None)
     # the planner's whole-buffer device views (name -> tensor) and this plan's page entries
@@ -688,6 +694,7 @@ class Planner:
         self.grid = self.num_sms * kernel.ctas_per_sm
         self.buffer_epoch = 0
         self.frozen = False
+        self._captured_options = None  # the options of the plan a CUDA graph captured
         self._on_cuda = self.device.type == "cuda"
         self._copy_done = None  # CUDA event: the staging buffers may be rewritten after it
         self._check_limits(max_batch_size, max_num_tokens, max_num_pages)
@@ -760,6 +767,13 @@ class Planner:
                 f"work items, more than podcute's limit of {MAX_WORK_ITEMS}")
 
     def _allocate(self, max_batch_size: int, max_num_tokens: int, max_num_pages: int) -> None:
+        # Normal tensors even when planned under torch.inference_mode(): later plans write
+        # them in place, which an inference tensor refuses outside that mode.
+        with torch.inference_mode(False):
+            self._allocate_buffers(max_batch_size, max_num_tokens, max_num_pages)
+
+    def _allocate_buffers(self, max_batch_size: int, max_num_tokens: int,
+                          max_num_pages: int) -> None:
         cfg, grid = self.config, self.grid
         cap = capacities(max_batch_size, max_num_tokens, max_num_pages, cfg.num_qo_heads,
                          cfg.num_kv_heads, cfg.kernel.tile_m_decode, grid,
@@ -781,8 +795,9 @@ class Planner:
         self._meta = torch.zeros(off, dtype=torch.int32, device=dev)
         self._page_list = torch.zeros(cap.pages, dtype=torch.int32, device=dev)
         if self._on_cuda:
-            self._staging_t = torch.zeros(off, dtype=torch.int32, pin_memory=True)
-            self._page_staging_t = torch.zeros(cap.pages, dtype=torch.int32, pin_memory=True)
+            self._staging_t = torch.zeros(off, dtype=torch.int32, device="cpu", pin_memory=True)
+            self._page_staging_t = torch.zeros(cap.pages, dtype=torch.int32, device="cpu",
+                                                pin_memory=True)
         else:  # a host planner writes in place
             self._staging_t, self._page_staging_t = self._meta, self._page_list
         self._staging = self._staging_t.numpy()
@@ -830,10 +845,31 @@ class Planner:
                                   zip((items, merges, slots), self._split_floor))
         self._allocate(cap.batch, cap.tokens, cap.pages)
 
-    def freeze(self) -> None:
-        """Fix the buffers where they are: a CUDA graph has captured their addresses. From
-        now on a batch that does not fit raises CapacityError instead of regrowing."""
+    def freeze(self, options: "PlanOptions | None" = None) -> None:
+        """Fix the buffers where they are: a CUDA graph has captured their addresses (and,
+        with `options`, the kernel variant of a plan with these options). From now on a
+        batch that does not fit raises CapacityError instead of regrowing, and a plan
+        that needs another kernel variant raises ValueError (_check_captured)."""
         self.frozen = True
+        if options is not None and self._captured_options is None:
+            self._captured_options = options
+
+    def _check_captured(self, options: "PlanOptions") -> None:
+        """ValueError naming what differs when a CUDA graph captured launches of another
+        kernel variant than `options` need (the graph would replay that variant)."""
+        was = self._captured_options
+        if was is None or was.variant == options.variant:
+            return
+        diff = [f"{what} {'on' if new else 'off'} (captured {'on' if old else 'off'})"
+                for what, old, new in (
+                    ("causal / a window's right edge", was.bounded_right, options.bounded_right),
+                    ("a sliding window", was.has_window, options.has_window),
+                    ("softcap", was.softcap > 0, options.softcap > 0))
+                if old != new]
+        raise ValueError(f"podcute plan: {'; '.join(diff)}: a CUDA graph captured this "
+                         "attention's launches with the other kernel variant, which a replay "
+                         "would run. These are fixed at capture (README, CUDA graphs); use "
+                         "another PODAttention (and graph) for the other kind of layer.")
 
     def _ensure_capacity(self, batch: int, tokens: int, pages: int) -> None:
         cap = self.capacity
@@ -882,6 +918,8 @@ class Planner:
         Raises ValueError naming the argument for a bad value; `_kv_name` is what the
         messages call kv_lens."""
         options = PlanOptions.make(causal, window_size, softcap, batch_invariant)
+        if self.frozen:
+            self._check_captured(options)
         if (block_table is None) == (kv_indices is None):
             raise ValueError("pass exactly one page format: block_table, or kv_indptr + "
                              "kv_indices")
@@ -896,16 +934,22 @@ class Planner:
                           "kv_indices": kv_indices, "last_page_len": last_page_len})
         # One combined test in the common case; anything off takes the detailed checks,
         # which raise naming the first fault (and compute the same values otherwise).
-        inputs = self._common_inputs(h, causal, _kv_name)
+        inputs = self._common_inputs(h, _kv_name)
         if inputs is None:
-            inputs = self._checked_inputs(h, causal, _kv_name)
+            inputs = self._checked_inputs(h, _kv_name)
         sm_scale = self._kernel_scale(sm_scale)
-        cu, q_len, kvl, used, total_q, max_page_index, pages, page_src, num_entries = inputs
+        if options.softcap > 0 and not (F32_TINY <= sm_scale / options.softcap
+                                        and options.softcap <= F32_MAX):
+            # the kernel computes softcap * tanh(s * (sm_scale / softcap)) in float32
+            raise ValueError(f"softcap={options.softcap} with sm_scale={sm_scale}: sm_scale / "
+                             "softcap must be a normal float32 (>= 1.2e-38) and softcap at most "
+                             "3.4e38 (the kernel's float32); use softcap=0 for no cap")
+        cu, q_len, kvl, used, total_q, page_src, num_entries = inputs
         self._ensure_capacity(q_len.size, total_q, num_entries)
-        return self._build(cu, q_len, kvl, used, options, sm_scale, total_q, max_page_index,
-                           pages, page_src, num_entries)
+        return self._build(cu, q_len, kvl, used, options, sm_scale, total_q, page_src,
+                           num_entries)
 
-    def _common_inputs(self, h, causal, kv_name):
+    def _common_inputs(self, h, kv_name):
         """The batch's index arrays (as _checked_inputs returns them) when every check
         passes, tested with a few reductions instead of one pass per check; None when
         anything is off (or the input is unusual: B == 0, last_page_len, arrays not 1-D):
@@ -919,10 +963,9 @@ class Planner:
         kvl = kv.astype(np.int64)
         q_len = cu[1:] - cu[:-1]
         q_min, kv_max = q_len.min(), kvl.max()
-        # non-decreasing cu_seqlens_q; 0 <= kv_len <= MAX_KV_LEN; causal: q_len <= kv_len
-        # (which with q_len >= 0 implies kv_len >= 0)
-        if q_min < 0 or kv_max > MAX_KV_LEN or (
-                (kvl - q_len).min() < 0 if causal else kvl.min() < 0):
+        # non-decreasing cu_seqlens_q; 0 <= kv_len <= MAX_KV_LEN (causal q_len > kv_len is
+        # legal: the first q_len - kv_len rows see no key)
+        if q_min < 0 or kv_max > MAX_KV_LEN or kvl.min() < 0:
             return None
         needed = (kvl + (ps - 1)) // ps
         used = needed if q_min > 0 else needed * (q_len > 0)
@@ -931,8 +974,6 @@ class Planner:
             if bt.ndim != 2 or bt.shape[0] != B or max_needed > bt.shape[1]:
                 return None
             width = max_needed if q_min > 0 else int(used.max())
-            pages = _PageSet(bt, None, used)
-            lo, max_page_index = pages.bounds(width)
             page_src, num_entries = ("table", bt, width), B * width
         else:
             indptr, indices = h["kv_indptr"], h["kv_indices"]
@@ -943,18 +984,14 @@ class Planner:
             if (indptr[0] < 0 or page_count.min() < 0 or indptr[-1] > indices.size
                     or (needed - page_count).max() > 0):
                 return None
-            pages = _PageSet(None, (indices, indptr), used)
-            lo, max_page_index = pages.bounds()
             page_src, num_entries = ("csr", indices, indptr), int(indptr[-1] - indptr[0])
-        if lo < 0:
-            return None
-        return (cu, q_len, kvl, used, int(cu[-1]), max_page_index, pages, page_src,
-                num_entries)
+        return cu, q_len, kvl, used, int(cu[-1]), page_src, num_entries
 
-    def _checked_inputs(self, h, causal, kv_name):
+    def _checked_inputs(self, h, kv_name):
         """Every check of the index inputs, in order, each raising a ValueError that names
-        the argument; returns (cu, q_len, kv_len, pages used, total_q, max page index,
-        _PageSet, page source, page-list entries)."""
+        the argument; returns (cu, q_len, kv_len, pages used, total_q, page source,
+        page-list entries). The page indices themselves are checked on the plan's copy
+        (_stage_pages)."""
         ps = self.config.page_size
         cu = h["cu_seqlens_q"].reshape(-1).astype(np.int64)
         if cu.size < 1:
@@ -1013,13 +1050,6 @@ class Planner:
             raise ValueError(f"{kv_src}[{b}] gives kv_len={int(kvl[b])}, past podcute's limit of "
                              f"{MAX_KV_LEN} KV tokens per request (int32 positions)")
 
-        if causal and B:
-            bad = q_len > kvl
-            if bad.any():
-                b = int(bad.argmax())
-                raise ValueError(f"causal attention needs q_len <= kv_len, but request {b} has "
-                                 f"q_len={int(q_len[b])} (cu_seqlens_q) > kv_len={int(kvl[b])} "
-                                 f"({kv_src})")
         needed = (kvl + (ps - 1)) // ps
         bad = needed > limit
         if bad.any():
@@ -1029,19 +1059,9 @@ class Planner:
             raise ValueError(f"{kv_src}[{b}] gives kv_len={int(kvl[b])}, which needs "
                              f"{int(needed[b])} pages of {ps} tokens, but {src} only {have}")
 
-        # Pages actually read: those of requests with queries. The bound is exact for CSR
-        # and for block tables whose unused entries are not larger (zero or stale padding);
-        # Plan.check_pages settles the rest exactly.
+        # Pages actually read: those of requests with queries (checked by _stage_pages on
+        # the plan's own copy, which is what the kernel reads).
         used = needed * (q_len > 0)
-        pages = _PageSet(bt if page_count is None else None,
-                         None if page_count is None else (indices, indptr), used)
-        lo, max_page_index = pages.bounds()
-        if lo < 0:
-            b, lo = pages.first_negative()
-            if b >= 0:
-                name = "block_table" if page_count is None else "kv_indices"
-                raise ValueError(f"{name} holds a negative page index ({lo}) among the pages "
-                                 f"request {b} reads")
         # The page list the kernel reads is a plan-owned copy: a block table's first
         # max(used) columns of every row, or the CSR indices in use.
         if page_count is None:
@@ -1049,7 +1069,7 @@ class Planner:
             page_src, num_entries = ("table", bt, width), B * width
         else:
             page_src, num_entries = ("csr", indices, indptr), int(indptr[-1] - indptr[0])
-        return cu, q_len, kvl, used, total_q, max_page_index, pages, page_src, num_entries
+        return cu, q_len, kvl, used, total_q, page_src, num_entries
 
     def _kernel_scale(self, sm_scale) -> float:
         """sm_scale as a float (default 1/sqrt(head_dim)); ValueError unless it is a
@@ -1070,15 +1090,33 @@ class Planner:
                              f"{given}")
         return sm_scale
 
-    def _write_pages(self, page_src, num_entries: int, B: int) -> np.ndarray:
-        """Copy the pages into the plan-owned staging list; return each request's offset."""
+    def _stage_pages(self, page_src, num_entries: int, used: np.ndarray):
+        """Copy the pages into the plan-owned staging list (what the kernel will read),
+        then bound and check *that copy*: whatever the caller writes to its tensors later,
+        the checks and the kernel see the same pages. Returns (each request's offset in
+        the list, the copy as a _PageSet, (lower, upper) bound of its page indices);
+        ValueError naming the argument for a negative page index a request reads."""
         fmt, pages, arg = page_src
+        B = used.size
+        staged = self._page_staging[:num_entries]
         if fmt == "table":  # arg: columns copied (the most pages a request reads)
+            table = staged.reshape(B, arg)
             if num_entries:
-                self._page_staging[:num_entries].reshape(B, arg)[:] = pages[:, :arg]
-            return self._iota[:B] * arg
-        self._page_staging[:num_entries] = pages[arg[0]: arg[-1]]  # arg: kv_indptr
-        return arg[:-1] - arg[0]
+                table[:] = pages[:, :arg]
+            start, copy = self._iota[:B] * arg, _PageSet(table, None, used)
+            lo, hi = copy.bounds(arg)
+        else:
+            staged[:] = pages[arg[0]: arg[-1]]  # arg: kv_indptr
+            start = arg[:-1] - arg[0]
+            copy = _PageSet(None, (staged, arg - arg[0]), used)
+            lo, hi = copy.bounds()
+        if lo < 0:
+            b, lo = copy.first_negative()
+            if b >= 0:
+                name = "block_table" if fmt == "table" else "kv_indices"
+                raise ValueError(f"{name} holds a negative page index ({lo}) among the pages "
+                                 f"request {b} reads")
+        return start, copy, hi
 
     # ---- work ---------------------------------------------------------------------------
 
@@ -1126,12 +1164,14 @@ class Planner:
             s += b[src]
         return src, j, s, np.minimum(s + step, e[src]), nch
 
-    def _build(self, cu, q_len, kvl, used, options, sm_scale, total_q, max_page_index, pages,
-               page_src, num_entries) -> Plan:
-        """Expand the batch into work rows, CTA lists, split slots and merges (written into
-        the staging buffers: plan_native's C, else the numpy code below, which compute the
-        same plan bit for bit), then write the rest of the metadata and make the Plan."""
+    def _build(self, cu, q_len, kvl, used, options, sm_scale, total_q, page_src,
+               num_entries) -> Plan:
+        """Copy and check the pages, expand the batch into work rows, CTA lists, split
+        slots and merges (written into the staging buffers: plan_native's C, else the
+        numpy code below, which compute the same plan bit for bit), then write the rest
+        of the metadata and make the Plan."""
         self._sync_staging()
+        page_start, pages, max_page_index = self._stage_pages(page_src, num_entries, used)
         self._tiling = self._choose_tiling(q_len, options)
         lay = None
         if self._native is not None:
@@ -1150,7 +1190,7 @@ class Planner:
         hs["cta_ptr"][:] = lay.ptr
         hs["q_start"][: B + 1] = cu
         hs["kv_len"][:B] = kvl
-        hs["page_start"][:B] = self._write_pages(page_src, num_entries, B)
+        hs["page_start"][:B] = page_start
         n = lay.n
         if self._on_cuda:
             end_off = self._segs["work"][0] + n * WORK_COLS

@@ -1,30 +1,23 @@
-"""Plans reused across the calls of one engine step (the one-shot and compat entry points).
+"""When a one-shot or compat call may skip planning (docs/contract.md, "Plan reuse").
 
 An engine calls attention once per layer with the same metadata (lengths, page table):
-planning each call would cost the host ~0.1-1 ms per layer. :class:`CallPlanner` plans a
-call's batch on a :class:`~podcute.PODAttention` and serves the same plan to the next
-calls for as long as their metadata is *the same*, by this rule:
+planning every call would cost the host ~0.1-1 ms per layer. A call reuses an earlier
+plan in exactly two cases:
 
-- every index tensor is the same tensor memory as when it was planned (data pointer,
-  shape, strides, dtype, device) and torch's version counter of it has not moved (any
-  in-place torch write bumps it: ``copy_``, indexing assignment, ``fill_``, a slice's
-  write bumps its base), and every scalar (causal, scale, ...) is equal;
-- the planner holds a reference to each tensor it planned from, so its memory cannot be
-  freed and handed to a new tensor that would look the same;
-- NumPy index arrays (no version counter) are compared by content, and so are CPU
-  tensors made under ``torch.inference_mode()`` (inference tensors have no version
-  counter either). An inference tensor on the device cannot be compared without a device
-  sync: a call with one plans every time (one device-to-host copy). Engines keep reuse by
-  allocating their metadata buffers outside inference mode and writing them in place
-  (slices and in-place writes made inside inference mode keep a normal tensor's counter),
-  as vLLM's persistent buffers are.
+- **by content**: every index argument lives on the host (a CPU tensor or a NumPy
+  array) and holds, at this call, the very values the plan was made from (dtype, shape
+  and every element, compared against the plan's own snapshot). No way of writing them
+  can serve a stale plan: torch writes, NumPy views, DLPack aliases, ``ctypes``, a
+  re-pointed ``.data``, freed memory handed to a new tensor, a fresh
+  ``torch.from_numpy(buf)`` each step all come down to the values compared here;
+- **by name**: the caller passes the plan itself, a :class:`StepPlan` from
+  ``flash_attn_varlen_plan`` as ``scheduler_metadata`` (FlashAttention 3's argument for
+  the same thing), as FlashInfer's plan()/run() and :class:`~podcute.PODAttention` do.
+  The caller then vouches for its index tensors; the kernel reads the copy the plan
+  made and validated at plan time, and a handle whose plan was replaced is refused.
 
-A write that torch does not see (through a NumPy view of a CPU tensor, or by a custom
-kernel into a device tensor) is not detected: pass a new tensor, or call
-:meth:`CallPlanner.invalidate` (``podcute.invalidate_plans()`` for the one-shot entry
-points) after such a write. Index tensors on the device are never read back to compare
-(that would be a device sync per layer); the first call of a step with device metadata
-costs its one device-to-host copy in ``plan()``.
+Index tensors on the device are never compared (that is a device sync per layer), so a
+call with device metadata and no handle plans every time (one device-to-host copy).
 """
 
 from __future__ import annotations
@@ -34,103 +27,134 @@ import weakref
 import numpy as np
 import torch
 
-__all__ = ["CallPlanner", "fingerprint", "invalidate_plans"]
+__all__ = ["CallPlanner", "StepPlan", "host_view", "invalidate_plans", "capturing"]
 
 _planners: "weakref.WeakSet[CallPlanner]" = weakref.WeakSet()
 
 
-def fingerprint(x):
-    """What identifies an index argument's contents without reading device memory."""
-    if x is None:
-        return None
-    if isinstance(x, torch.Tensor):
-        if x.is_inference():
-            # Made under torch.inference_mode(): no version counter to see writes by.
-            if x.device.type == "cpu":  # compared by content, like a NumPy array
-                return ("inference", x.data_ptr(), x.shape, x.stride(), x.dtype,
-                        x.numpy().tobytes())
-            return object()  # equal to no later call's: reading it back would sync; plan again
-        return (x.data_ptr(), x._version, x.shape, x.stride(), x.dtype, x.device)
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def host_view(x):
+    """x's current values as a NumPy array without a copy when they live on the host (a
+    CPU tensor, inference tensors included, or a NumPy array); None otherwise (a device
+    tensor, whose values cannot be read without a sync, or anything NumPy cannot view)."""
     if isinstance(x, np.ndarray):
-        return ("numpy", x.dtype.str, x.shape, x.tobytes())
-    return ("value", x)
+        return x
+    if isinstance(x, torch.Tensor) and x.device.type == "cpu":
+        try:
+            return torch.Tensor.numpy(x)
+        except (RuntimeError, TypeError):  # e.g. a tensor subclass without storage
+            return None
+    return None
+
+
+def _snapshot(tensors: tuple):
+    """Copies of the index arguments' values (None where an argument is None), or None
+    when one of them cannot be compared later (it lives on the device)."""
+    snap = []
+    for t in tensors:
+        if t is None:
+            snap.append(None)
+            continue
+        a = host_view(t)
+        if a is None:
+            return None
+        snap.append(np.array(a, copy=True))
+    return tuple(snap)
 
 
 class CallPlanner:
-    """The plan of the last call of one :class:`~podcute.PODAttention`, reused while the
-    metadata stays the same (module docstring)."""
+    """The plan of the last call of one :class:`~podcute.PODAttention` and the index
+    values it was made from: reused while a call's values are those (module docstring)."""
 
     def __init__(self, attn):
         self.attn = attn
-        self._key = None
-        self._held = ()
-        self._same = None  # reuses()'s record of the last call: (plan, scalars, tensors)
+        self._made = None  # (plan, scalars, snapshot of the index arguments)
         _planners.add(self)
 
     def invalidate(self) -> None:
         """Forget the last plan: the next call plans again."""
-        self._key = None
-        self._held = ()
-        self._same = None
+        self._made = None
 
     def reuses(self, tensors: tuple, scalars: tuple) -> bool:
-        """The per-layer test, cheaper than comparing fingerprints: True if `tensors`
-        are the very objects of the last call that planned or reused (None where it had
-        None), none written since (version counter), none re-pointed or reshaped (address,
-        shape and strides: a ``.data =`` assignment moves no version counter), the scalars
-        are equal and the attention still holds that plan. False sends the call to
-        plan(), which compares fingerprints (new tensor objects over the same memory) and
-        plans if they differ."""
-        same = self._same
-        if same is None or same[0] is not self.attn._plan or same[1] != scalars:
+        """True if the attention still holds the plan made from these scalars and index
+        values: each argument None where it was, else on the host with the same dtype,
+        shape and elements as the snapshot."""
+        made = self._made
+        if made is None or made[0] is not self.attn._plan or made[1] != scalars:
             return False
-        held = same[2]
-        if len(tensors) != len(held):
+        snap = made[2]
+        if len(tensors) != len(snap):
             return False
-        for t, h in zip(tensors, held):
-            if h is None:
+        for t, s in zip(tensors, snap):
+            if s is None:
                 if t is not None:
                     return False
-            elif (t is not h[0] or t._version != h[1] or t.data_ptr() != h[2]
-                  or t.shape != h[3] or t.stride() != h[4]):
+                continue
+            a = host_view(t)
+            if (a is None or a.shape != s.shape or a.dtype != s.dtype
+                    or not np.array_equal(a, s)):
                 return False
         return True
 
-    def plan(self, tensors: tuple, scalars: tuple, plan_fn) -> bool:
-        """Make sure `attn` holds the plan of this metadata: `plan_fn()` plans it unless
-        the previous call's `tensors` (index arguments, any of them None) and `scalars`
-        were the same. Returns True if the previous plan was reused."""
+    def plan(self, tensors: tuple, scalars: tuple, plan_fn, where: str = "") -> bool:
+        """Make sure the attention holds the plan of this metadata: `plan_fn()` plans it
+        unless reuses() says the held one is it. Returns True if it was reused. Under
+        CUDA-graph capture nothing is planned (the graph would keep the copies): a call
+        that cannot reuse raises RuntimeError."""
         if self.reuses(tensors, scalars):
             return True
-        key = (tuple(map(fingerprint, tensors)), scalars)
-        if key == self._key and self.attn.current_plan is not None:
-            self._remember(tensors, scalars)
-            return True
-        self._key = self._same = None  # a failed plan() leaves nothing to reuse
+        self._made = None  # a failed plan() leaves nothing to reuse
+        if capturing():
+            raise RuntimeError(
+                f"{where}under CUDA-graph capture this call would plan: its index tensors "
+                "live on the device (their values cannot be compared without a sync) or "
+                "hold other values than the last plan's. Plan the step before capturing "
+                "and name that plan (podcute.compat.flash_attn: scheduler_metadata="
+                "flash_attn_varlen_plan(...); or PODAttention.plan()/run())")
         plan_fn()
-        self._key = key
-        self._held = tuple(t for t in tensors if isinstance(t, torch.Tensor))
-        self._remember(tensors, scalars)
+        snap = _snapshot(tensors)
+        if snap is not None:
+            self._made = (self.attn._plan, scalars, snap)
         return False
 
-    def _remember(self, tensors: tuple, scalars: tuple) -> None:
-        """reuses()'s record; none when an argument has no version counter (a NumPy
-        array, an inference tensor) or is a tensor subclass: those calls compare
-        fingerprints in plan()."""
-        held = []
-        for t in tensors:
-            if t is None:
-                held.append(None)
-            elif type(t) is torch.Tensor and not t.is_inference():
-                held.append((t, t._version, t.data_ptr(), t.shape, t.stride()))
-            else:
-                self._same = None
-                return
-        self._same = (self.attn._plan, scalars, tuple(held))
+
+class StepPlan:
+    """A plan the caller names (``flash_attn_varlen_plan``'s return value, taken back as
+    ``scheduler_metadata``): the attention that holds it, the plan, and the scalars
+    (causal, scale, window, softcap) it was made with."""
+
+    __slots__ = ("attn", "plan", "scalars", "__weakref__")
+
+    def __init__(self, attn, plan, scalars: tuple):
+        self.attn, self.plan, self.scalars = attn, plan, scalars
+
+    def check(self, scalars: tuple, where: str = "") -> None:
+        """ValueError unless the attention still holds this plan and the call's scalars
+        are the plan's."""
+        if self.attn._plan is not self.plan:
+            raise ValueError(
+                f"{where}scheduler_metadata names a plan that a later plan of the same "
+                "configuration replaced (each step's flash_attn_varlen_plan replaces the "
+                "last one's); pass the handle of the current step")
+        if scalars != self.scalars:
+            names = ("causal", "softmax_scale", "window_size", "softcap")
+            diff = [f"{n}={b!r} (planned {a!r})" for n, a, b in
+                    zip(names, self.scalars, scalars) if a != b]
+            raise ValueError(f"{where}this call's {', '.join(diff)} differ from the plan "
+                             "named by scheduler_metadata; plan with the call's values")
+
+    def __repr__(self) -> str:
+        p = self.plan
+        return (f"StepPlan(requests={p.batch_size}, query_tokens={p.total_q}, "
+                f"causal={p.causal}, current={self.attn._plan is p})")
 
 
 def invalidate_plans() -> None:
-    """Make every one-shot or compat entry point plan its next call again (after writing
-    index tensors in a way torch's version counter does not see)."""
+    """Make every one-shot or compat entry point plan its next call again (never needed
+    for correctness: reuse compares values; this only drops the snapshots)."""
     for p in list(_planners):
         p.invalidate()

@@ -39,3 +39,30 @@ def fp8_kernel():
     arch = requested_arch(None)
     if arch in WARP_MMA_ARCHS:
         pytest.skip(f"fp8 KV caches need the sm_90a kernel ({arch} forced)")
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """run() completes on this CPU machine: the device check passes and launch() records
+    (plan, q, k_cache, v_cache, out, lse, keywords) instead of launching."""
+    import torch
+
+    from podcute import api
+    from podcute.compat import flash_attn as fa
+    from podcute.reuse import invalidate_plans
+
+    rec = []
+    monkeypatch.setattr(api, "require_arch", lambda *a, **kw: None)
+    monkeypatch.setattr(api, "launch", lambda plan, q, k, v, out, lse, **kw:
+                        rec.append((plan, q, k, v, out, lse, kw)))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+
+    def reset():
+        api._LAST_POD.clear()
+        fa._LAST.clear()
+        invalidate_plans()
+        for att, _ in api._ONE_SHOT.values():
+            att._device_ok = False  # the stub's pass must not outlive it
+    reset()
+    yield rec
+    reset()

@@ -70,8 +70,11 @@ def raises(exc, *names):
 def test_constructor_errors():
     with raises(ValueError, "num_qo_heads", "num_kv_heads"):
         PODAttention(12, 8, D, PS, device="cpu")
-    with raises(ValueError, "head_dim"):
+    with raises(NotImplementedError, "head_dim=80", "supported"):
         PODAttention(HQ, HKV, 80, PS, device="cpu")
+    for bad, err in ((0, ValueError), (-8, ValueError), (128.0, TypeError), (True, TypeError)):
+        with raises(err, "head_dim"):
+            PODAttention(HQ, HKV, bad, PS, device="cpu")
     with raises(ValueError, "page_size"):
         PODAttention(HQ, HKV, D, 3, device="cpu")
     with raises(ValueError, "kv_layout"):
@@ -171,9 +174,9 @@ def test_plan_value_errors():
     with raises(ValueError, "kv_lens", "pages", "kv_indptr"):
         a.plan(g["cu"], g["kvl"], kv_indptr=torch.tensor([0, 2, 4], **I32),
                kv_indices=torch.arange(4, **I32))
-    with raises(ValueError, "causal", "q_len", "kv_len"):
-        a.plan(g["cu"], torch.tensor([19, 17], **I32), block_table=g["bt"])
-    a.plan(g["cu"], torch.tensor([19, 17], **I32), block_table=g["bt"], causal=False)  # fine
+    # causal with q_len 20 > kv_len 19: bottom-right aligned, the first row sees no key
+    a.plan(g["cu"], torch.tensor([19, 17], **I32), block_table=g["bt"])
+    a.plan(g["cu"], torch.tensor([19, 17], **I32), block_table=g["bt"], causal=False)
     with raises(ValueError, "block_table", "negative"):
         a.plan(g["cu"], g["kvl"], block_table=torch.tensor([[0, -1, 2], [3, 4, 5]], **I32))
     with raises(ValueError, "kv_indices", "negative"):
@@ -321,7 +324,7 @@ def test_one_shot_errors_and_no_hopper():
         pod_attention(g["q"], g["k"], g["v"], kv_layout="XYZ", **kw)
     with raises(TypeError, "q", "bfloat16"):
         pod_attention(g["q"].float(), g["k"], g["v"], **kw)
-    with raises(ValueError, "head_dim"):
+    with raises(NotImplementedError, "head_dim"):
         pod_attention(torch.randn(21, HQ, 80, dtype=torch.bfloat16),
                       torch.randn(8, PS, HKV, 80, dtype=torch.bfloat16),
                       torch.randn(8, PS, HKV, 80, dtype=torch.bfloat16), **kw)
@@ -443,9 +446,9 @@ def test_arch_option_selects_the_kernel_family():
         assert a.planner.grid == 2 * a.planner.num_sms
     with raises(ValueError, "arch must be one of", *SUPPORTED_ARCHS):
         PODAttention(HQ, HKV, D, PS, device="cpu", arch="sm_100a")
-    with raises(ValueError, "head_dim 256 has no kernel on sm_80"):
+    with raises(NotImplementedError, "head_dim 256 has no kernel on sm_80"):
         PODAttention(HQ, HKV, 256, PS, device="cpu", arch="sm_80")
-    with raises(ValueError, "fp8 KV caches need the sm_90a kernel"):
+    with raises(NotImplementedError, "fp8 KV caches need the sm_90a kernel"):
         PODAttention(HQ, HKV, D, PS, device="cpu", arch="sm_86", kv_dtype=torch.float8_e4m3fn)
 
 

@@ -560,7 +560,6 @@ def test_value_errors():
     _bad("cu_seqlens_q.*start at 0", cu_seqlens_q=torch.tensor([1, 2, 3], **i32))
     _bad("kv_lens.*>= 0", kv_lens=torch.tensor([-1, 20], **i32))
     _bad("kv_lens.*pages", kv_lens=torch.tensor([10, 33], **i32))
-    _bad("causal.*q_len", kv_lens=torch.tensor([10, 1], **i32))
     _bad("block_table.*negative", block_table=torch.tensor([[-1, 0], [1, 2]], **i32))
     _bad("kv_indptr", block_table=None, kv_indptr=torch.tensor([0, 1], **i32),
          kv_indices=torch.tensor([0], **i32))

@@ -1,47 +1,51 @@
-"""``flash_attn_varlen_func`` with FlashAttention's varlen signature, served by podcute.
+"""``flash_attn_varlen_func`` with FlashAttention's varlen signatures, served by podcute.
 
-The positional order after ``q, k, v`` is vLLM's fork's (``max_seqlen_q, cu_seqlens_q,
-max_seqlen_k, cu_seqlens_k, seqused_k, ...``), which is how vLLM's FlashAttention backend
-calls it; a call in upstream FlashAttention 2/3/4's order (``cu_seqlens_q, cu_seqlens_k,
-max_seqlen_q, max_seqlen_k``: a tensor where vLLM has an int) is recognised by the type
-of the fourth argument. Every argument name of those versions is accepted
-(``block_table`` or ``page_table``, ``return_softmax_lse`` or ``return_lse``).
+One function takes the calls of every FlashAttention flavour an engine or its tests use:
 
-Two KV forms, as in FlashAttention:
+- vLLM's fork (``vllm_flash_attn``): ``(q, k, v, max_seqlen_q, cu_seqlens_q,
+  max_seqlen_k, cu_seqlens_k, seqused_k, q_v, dropout_p, softmax_scale, causal,
+  window_size, ...)``, how vLLM's FlashAttention backend calls it; returns ``out``, or
+  ``(out, softmax_lse)`` with ``return_softmax_lse``;
+- upstream FlashAttention 2, 3 and 4, whose fourth argument is ``cu_seqlens_q`` (a
+  tensor where vLLM has an int) and whose orders part after ``max_seqlen_k`` (FA2:
+  ``dropout_p, softmax_scale, causal, window_size, ...``; FA3: ``seqused_q, seqused_k,
+  softmax_scale, causal, qv, ...``; FA4: ``seqused_q, seqused_k, page_table,
+  softmax_scale, causal, ...``: :data:`ORDERS`). The flavour is told by the positional
+  arguments and by keywords only one flavour has; FA4's call (``learnable_sink``,
+  ``score_mod``, ``return_lse``, ...) returns ``(out, lse)`` as FA4 does. For an exact
+  signature import :func:`flash_attn2_varlen_func`, :func:`flash_attn3_varlen_func`
+  or :func:`flash_attn4_varlen_func`.
 
-- paged: ``block_table`` [B, max_blocks] int32 with ``k``/``v`` caches
-  [num_blocks, block_size, Hkv, D] and the KV lengths in ``seqused_k`` (or, upstream
-  style, ``cu_seqlens_k``);
+Every keyword of those versions is accepted (``block_table``/``page_table``,
+``q_v``/``qv``, ``s_aux``/``learnable_sink`` (attention sinks), ``return_softmax_lse``/
+``return_lse``); an unknown keyword raises TypeError, as Python does. Two KV forms:
+
+- paged: ``block_table`` [B, max_blocks] int32 with caches [num_blocks, block_size,
+  Hkv, D] and the KV lengths in ``seqused_k`` (or, FA2 style, ``cu_seqlens_k``);
 - contiguous varlen: ``k``/``v`` [total_k, Hkv, D] with ``cu_seqlens_k``; served as pages
   of one token (the kernel's gathered-page class).
 
-Returns ``out`` [total_q, Hq, D], or ``(out, softmax_lse)`` with ``softmax_lse``
-[Hq, total_q] float32 (natural log; FlashAttention's varlen layout; rows of padding
-tokens past ``cu_seqlens_q[-1]`` are left unwritten, as FlashAttention leaves them).
+``softmax_lse`` is [Hq, total_q] float32 (natural log; FlashAttention's varlen layout;
+rows of padding tokens past ``cu_seqlens_q[-1]`` are left unwritten).
 
-Plans are reused across the layers of a step (``podcute.reuse``): the first call with a
-step's metadata plans (one device-to-host copy if the index tensors are on the GPU), the
-next calls with the same, unchanged tensors only launch.
+Plan reuse (``podcute.reuse``): a call reuses the last plan only when its index tensors
+are on the CPU and hold the same values, or when it names the plan: pass
+``scheduler_metadata=flash_attn_varlen_plan(...)`` (FlashAttention 3's argument), made once
+per step with the step's metadata. Index tensors on the device without that handle plan
+every call (one device-to-host copy): correct, not fast. Under CUDA-graph capture a call
+that would plan raises RuntimeError naming the handle.
 
-``window_size`` (sliding window, ``None`` or -1 = unbounded on a side), ``softcap`` and
-``s_aux`` (vLLM's name for gpt-oss's attention sinks, float32 [Hq]) are served as
-podcute's ``window_size``, ``softcap`` and ``sinks``.
-fp8 KV caches (``k``/``v`` in ``torch.float8_e4m3fn`` or ``float8_e5m2``, e.g. vLLM's
-cache viewed as fp8) take 16-bit queries; ``k_descale`` / ``v_descale`` are their
-dequantisation scales, as in FlashAttention 3: float32 [B, Hkv] (per request and KV head),
-served when they do not vary across requests, i.e. the batch stride is 0 as in vLLM's
-``layer._k_scale.expand(descale_shape)`` (also accepted: [Hkv], [1], [] tensors; None =
-1.0). The values stay on the device (graph replays see new ones). As in FlashAttention 3,
-descale factors of a 16-bit input do nothing: ``q_descale`` with 16-bit queries (podcute's
-only queries) and ``k_descale``/``v_descale`` with a 16-bit cache are accepted and unused.
+``window_size`` (a pair of ints or a two-element tensor; ``None`` or -1 = unbounded on a
+side), ``softcap`` and the sinks are served as podcute's ``window_size``, ``softcap`` and
+``sinks`` (cast to float32). fp8 KV caches (``k``/``v`` in ``torch.float8_e4m3fn`` or
+``float8_e5m2``) take 16-bit queries; ``k_descale``/``v_descale`` are their
+dequantisation scales, as in FlashAttention 3: float32 [B, Hkv], served when they do not
+vary across requests (batch stride 0, as vLLM's ``layer._k_scale.expand(B, Hkv)``; also
+[Hkv], [1], []). As in FlashAttention 3, descales of a 16-bit input do nothing.
 Arguments that change results and that podcute does not implement raise
-``NotImplementedError`` naming them: ``dropout_p > 0``, ``alibi_slopes``,
-``return_attn_probs``, ``q_v``, descales that differ per request, ``seqused_q``, context
-parallelism.
-Arguments that only tune speed (``num_splits``, ``scheduler_metadata``, ``pack_gqa``,
-``deterministic``, ``fa_version``, ``sm_margin``) are accepted and do not change the
-result: podcute's planner chooses its own splits, and its forward pass is deterministic
-for a given batch.
+``NotImplementedError`` naming them (docs/integration.md lists them); arguments that only
+tune speed (``num_splits``, ``pack_gqa``, ``deterministic``, ``fa_version``,
+``sm_margin``, a tensor ``scheduler_metadata``) are accepted and change nothing.
 """
 
 from __future__ import annotations
@@ -49,52 +53,163 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from podcute.api import one_shot_fast, one_shot_for
+from podcute.api import _check_sm_scale, one_shot_fast, one_shot_for
+from podcute.plan import PlanOptions
+from podcute.reuse import StepPlan, capturing
 
-__all__ = ["flash_attn_varlen_func", "flash_attn_varlen_plan"]
+__all__ = ["flash_attn_varlen_func", "flash_attn_varlen_plan", "flash_attn2_varlen_func",
+           "flash_attn3_varlen_func", "flash_attn4_varlen_func", "ORDERS", "StepPlan"]
 
 _WHERE = "flash_attn_varlen_func: "
 
+# The positional order after (q, k, v) of each flavour's flash_attn_varlen_func.
+ORDERS = {
+    "vllm": ("max_seqlen_q", "cu_seqlens_q", "max_seqlen_k", "cu_seqlens_k", "seqused_k",
+             "q_v", "dropout_p", "softmax_scale", "causal", "window_size", "softcap",
+             "alibi_slopes", "deterministic", "return_attn_probs", "block_table",
+             "return_softmax_lse", "out", "scheduler_metadata", "q_descale", "k_descale",
+             "v_descale", "num_splits", "fa_version", "s_aux", "cp_world_size", "cp_rank",
+             "cp_tot_seqused_k"),
+    "fa2": ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "dropout_p",
+            "softmax_scale", "causal", "window_size", "softcap", "alibi_slopes",
+            "deterministic", "return_attn_probs", "block_table"),
+    "fa3": ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "seqused_q",
+            "seqused_k", "softmax_scale", "causal", "qv", "q_descale", "k_descale",
+            "v_descale", "window_size", "attention_chunk", "softcap", "num_splits",
+            "pack_gqa", "deterministic", "sm_margin", "return_attn_probs"),
+    "fa4": ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "seqused_q",
+            "seqused_k", "page_table", "softmax_scale", "causal", "window_size",
+            "learnable_sink", "softcap", "num_splits", "pack_gqa", "deterministic",
+            "score_mod", "aux_tensors", "return_lse"),
+}
+
+# Every keyword any flavour takes, with its "feature off" default. Aliases map to one
+# name below (_ALIASES).
+_DEFAULTS = dict(
+    max_seqlen_q=None, cu_seqlens_q=None, max_seqlen_k=None, cu_seqlens_k=None,
+    seqused_k=None, seqused_q=None, q_v=None, dropout_p=0.0, softmax_scale=None,
+    causal=False, window_size=None, softcap=0.0, alibi_slopes=None, deterministic=False,
+    return_attn_probs=False, block_table=None, return_softmax_lse=False, out=None,
+    scheduler_metadata=None, q_descale=None, k_descale=None, v_descale=None, num_splits=0,
+    fa_version=2, s_aux=None, cp_world_size=1, cp_rank=0, cp_tot_seqused_k=None,
+    attention_chunk=0, pack_gqa=None, sm_margin=0, score_mod=None, aux_tensors=None,
+    mask_mod=None, block_sparse_tensors=None)
+_ALIASES = {"page_table": "block_table", "qv": "q_v", "learnable_sink": "s_aux",
+            "return_lse": "return_softmax_lse"}
+# Keywords only FlashAttention 4 has: a call that passes one gets FA4's (out, lse) return.
+_FA4_ONLY = frozenset(("learnable_sink", "score_mod", "aux_tensors", "return_lse", "mask_mod",
+                       "block_sparse_tensors"))
+
 
 def _unsupported(name: str, value, why: str) -> None:
-    raise NotImplementedError(f"flash_attn_varlen_func: {name}={value!r} is not supported by "
+    shown = "<tensor>" if isinstance(value, torch.Tensor) else repr(value)
+    raise NotImplementedError(f"flash_attn_varlen_func: {name}={shown} is not supported by "
                               f"podcute ({why})")
 
 
+def _bind(flavour: str | None, args: tuple, kwargs: dict) -> tuple:
+    """(the call's arguments by podcute's names, defaults filled in, the flavour whose
+    return convention applies). `flavour` None: told from the call (module docstring)."""
+    if flavour is None:
+        if args and isinstance(args[0], torch.Tensor):
+            flavour = _upstream_flavour(args, kwargs)
+        elif _FA4_ONLY.intersection(kwargs):
+            flavour = "fa4"
+        else:
+            flavour = "vllm"
+    order = ORDERS[flavour]
+    if len(args) > len(order):
+        raise TypeError(f"flash_attn_varlen_func() takes {len(order) + 3} positional arguments "
+                        f"in {flavour}'s order but {len(args) + 3} were given")
+    a = dict(_DEFAULTS)
+    for name, value in zip(order, args):
+        a[_ALIASES.get(name, name)] = value
+    positional = {_ALIASES.get(n, n) for n in order[:len(args)]}
+    by_keyword = {}
+    for name, value in kwargs.items():
+        key = _ALIASES.get(name, name)
+        if key not in a:
+            raise TypeError(f"flash_attn_varlen_func() got an unexpected keyword argument "
+                            f"{name!r}")
+        if key in positional:
+            raise TypeError(f"flash_attn_varlen_func() got multiple values for argument "
+                            f"{name!r}")
+        if key in by_keyword:  # a name and its alias (block_table and page_table, ...)
+            if value is None or value is False:
+                continue
+            if not (a[key] is None or a[key] is False):
+                raise ValueError(f"flash_attn_varlen_func: pass {by_keyword[key]} or {name}, "
+                                 "not both")
+        by_keyword[key] = name
+        a[key] = value
+    return a, flavour
+
+
+def _upstream_flavour(args: tuple, kwargs: dict) -> str:
+    """FA2, FA3 or FA4 for a call in upstream order (q, k, v, cu_seqlens_q, ...): FA2's
+    fifth argument is dropout_p (a number), FA3's and FA4's seqused_q; FA4's seventh is
+    page_table (a tensor) where FA3 has softmax_scale; else keywords only FA4 has."""
+    if len(args) > 4 and isinstance(args[4], (int, float)) and not isinstance(args[4], bool):
+        return "fa2"
+    if (len(args) > 6 and isinstance(args[6], torch.Tensor)) or _FA4_ONLY.intersection(kwargs):
+        return "fa4"
+    if len(args) > 4 or "seqused_q" in kwargs or "qv" in kwargs or "attention_chunk" in kwargs:
+        return "fa3"
+    return "fa2"
+
+
 def _window(window_size) -> tuple:
-    """FlashAttention's window_size (None, or a pair whose sides may be None) as
-    podcute's (left, right), -1 = unbounded."""
+    """FlashAttention's window_size (None, a pair whose sides may be None, or a
+    two-element tensor) as podcute's (left, right) ints, -1 = unbounded."""
     if window_size is None:
         return (-1, -1)
+    if isinstance(window_size, torch.Tensor):
+        if window_size.numel() != 2 or window_size.dtype.is_floating_point:
+            raise TypeError(f"{_WHERE}window_size must be a pair (left, right) of ints, got a "
+                            f"{window_size.dtype} tensor of shape {tuple(window_size.shape)}")
+        window_size = window_size.reshape(2).tolist()
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         raise TypeError(f"{_WHERE}window_size must be a pair (left, right), got {window_size!r}")
-    return tuple(-1 if side is None else side for side in window_size)
+    out = []
+    for side in window_size:
+        if isinstance(side, torch.Tensor) and side.numel() == 1:
+            side = side.item()
+        out.append(-1 if side is None else side)
+    return tuple(out)
 
 
-def _check_semantics(dropout_p, alibi_slopes, return_attn_probs, q_v, seqused_q,
-                     cp_world_size, cp_rank, cp_tot_seqused_k) -> None:
+def _check_semantics(a: dict) -> None:
     """Refuse every argument that would change the result and that podcute lacks."""
-    if not (dropout_p or return_attn_probs or alibi_slopes is not None or q_v is not None
-            or seqused_q is not None or cp_tot_seqused_k is not None
-            or cp_world_size != 1 or cp_rank != 0):
-        return  # every layer's call: nothing to refuse (skips building the table below)
-    if dropout_p:
-        _unsupported("dropout_p", dropout_p, "inference attention: dropout must be 0")
-    for name, value, why in (
-            ("alibi_slopes", alibi_slopes, "no ALiBi"),
-            ("q_v", q_v, "no separate value-query (MLA) input"),
-            ("seqused_q", seqused_q, "query lengths come from cu_seqlens_q"),
-            ("cp_tot_seqused_k", cp_tot_seqused_k, "no context parallelism")):
-        if value is not None:
-            _unsupported(name, "<tensor>" if isinstance(value, torch.Tensor) else value, why)
-    if return_attn_probs:
-        _unsupported("return_attn_probs", return_attn_probs, "attention probabilities are "
-                     "never materialised; use return_softmax_lse")
-    if cp_world_size != 1 or cp_rank != 0:
-        _unsupported("cp_world_size", cp_world_size, "no context parallelism")
+    if not (a["dropout_p"] or a["return_attn_probs"] or a["alibi_slopes"] is not None
+            or a["q_v"] is not None or a["seqused_q"] is not None
+            or a["cp_tot_seqused_k"] is not None or a["cp_world_size"] != 1
+            or a["cp_rank"] != 0 or a["attention_chunk"] or a["score_mod"] is not None
+            or a["aux_tensors"] is not None or a["mask_mod"] is not None
+            or a["block_sparse_tensors"] is not None):
+        return  # every layer's call: nothing to refuse
+    if a["dropout_p"]:
+        _unsupported("dropout_p", a["dropout_p"], "inference attention: dropout must be 0")
+    for name, why in (("alibi_slopes", "no ALiBi"),
+                      ("q_v", "no separate value-query (MLA) input"),
+                      ("seqused_q", "query lengths come from cu_seqlens_q"),
+                      ("cp_tot_seqused_k", "no context parallelism"),
+                      ("score_mod", "no score modifiers"),
+                      ("aux_tensors", "no score modifiers"),
+                      ("mask_mod", "causal, window or no mask only"),
+                      ("block_sparse_tensors", "no block-sparse attention")):
+        if a[name] is not None:
+            _unsupported(name, a[name], why)
+    if a["attention_chunk"]:
+        _unsupported("attention_chunk", a["attention_chunk"], "no chunked (local) attention; "
+                     "0 = off")
+    if a["return_attn_probs"]:
+        _unsupported("return_attn_probs", a["return_attn_probs"], "attention probabilities "
+                     "are never materialised; use return_softmax_lse")
+    if a["cp_world_size"] != 1 or a["cp_rank"] != 0:
+        _unsupported("cp_world_size", a["cp_world_size"], "no context parallelism")
 
 
-def _descale(name: str, d, fp8: bool):
+def _descale(name: str, d, fp8: bool, batch_size: int):
     """A FlashAttention-3 descale argument as run()'s k_scale/v_scale: None for a 16-bit
     input (where FlashAttention ignores it too), else a float32 [Hkv] or [1] view of the
     caller's tensor (never a copy: its values may change between graph replays)."""
@@ -109,34 +224,47 @@ def _descale(name: str, d, fp8: bool):
         raise ValueError(f"{_WHERE}{name} must be [batch_size, num_kv_heads], [num_kv_heads], "
                          f"[1] or [], got shape {tuple(d.shape)}")
     if d.dim() == 2:
+        if d.shape[0] != batch_size:
+            raise ValueError(f"{_WHERE}{name} must be [batch_size={batch_size}, num_kv_heads] "
+                             f"(one row per request), got shape {tuple(d.shape)}")
+        if batch_size == 0:
+            return None  # no request reads the cache
         # [B, Hkv]: one row serves every request only if the rows are one memory row
         if d.shape[0] > 1 and d.stride(0) != 0:
-            _unsupported(name, "<tensor>", "descale factors that differ per request; pass one "
-                         "row for all, e.g. scale.expand(batch_size, num_kv_heads), or a "
+            _unsupported(name, d, "descale factors that differ per request; pass one row "
+                         "for all, e.g. scale.expand(batch_size, num_kv_heads), or a "
                          "[num_kv_heads] tensor")
-        if d.shape[0] == 0:
-            return None  # no requests
         d = d[0]
     if d.dim() == 1 and d.shape[0] > 1 and d.stride(0) == 0:
         d = d[:1]  # one scale for every head
     return d  # run() checks dtype, shape, device and alignment, naming k_scale/v_scale
 
 
+def _sinks(s_aux):
+    """FA4's learnable_sink / vLLM's s_aux as podcute's float32 sinks (cast if needed)."""
+    if s_aux is None or (isinstance(s_aux, torch.Tensor) and s_aux.dtype == torch.float32):
+        return s_aux
+    if not isinstance(s_aux, torch.Tensor):
+        raise TypeError(f"{_WHERE}learnable_sink / s_aux must be a tensor [num_heads], got "
+                        f"{type(s_aux).__name__}")
+    if not s_aux.dtype.is_floating_point:
+        raise TypeError(f"{_WHERE}learnable_sink / s_aux must be a float tensor, got "
+                        f"{s_aux.dtype}")
+    return s_aux.float()
+
+
 def _check_tensor(name: str, t, ndim: int) -> None:
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"flash_attn_varlen_func: {name} must be a torch.Tensor, got "
-                        f"{type(t).__name__}")
+        raise TypeError(f"{_WHERE}{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != ndim:
-        raise ValueError(f"flash_attn_varlen_func: {name} must be {ndim}-D, got shape "
-                         f"{tuple(t.shape)}")
+        raise ValueError(f"{_WHERE}{name} must be {ndim}-D, got shape {tuple(t.shape)}")
 
 
 def _check_indptr(cu_seqlens_k) -> None:
     if not isinstance(cu_seqlens_k, torch.Tensor) or cu_seqlens_k.dim() != 1:
-        raise TypeError("flash_attn_varlen_func: cu_seqlens_k must be a 1-D int32 tensor")
+        raise TypeError(f"{_WHERE}cu_seqlens_k must be a 1-D int32 tensor")
     if cu_seqlens_k.dtype != torch.int32:
-        raise TypeError(f"flash_attn_varlen_func: cu_seqlens_k must be int32, got "
-                        f"{cu_seqlens_k.dtype}")
+        raise TypeError(f"{_WHERE}cu_seqlens_k must be int32, got {cu_seqlens_k.dtype}")
 
 
 _TOKEN_PAGES = np.zeros(0, dtype=np.int32)
@@ -152,131 +280,183 @@ def _token_pages(num_tokens: int) -> np.ndarray:
     return _TOKEN_PAGES[:num_tokens]
 
 
-def flash_attn_varlen_func(q, k, v, max_seqlen_q=None, cu_seqlens_q=None, max_seqlen_k=None,
-                           cu_seqlens_k=None, seqused_k=None, q_v=None, dropout_p=0.0,
-                           softmax_scale=None, causal=False, window_size=None, softcap=0.0,
-                           alibi_slopes=None, deterministic=False, return_attn_probs=False,
-                           block_table=None, return_softmax_lse=False, out=None,
-                           scheduler_metadata=None, q_descale=None, k_descale=None,
-                           v_descale=None, num_splits=0, fa_version=2, s_aux=None,
-                           cp_world_size=1, cp_rank=0, cp_tot_seqused_k=None, *,
-                           page_table=None, seqused_q=None, return_lse=None, pack_gqa=None,
-                           sm_margin=0):
-    """Varlen attention over a paged (or contiguous) KV cache (module docstring)."""
-    if return_lse is not None:
-        return_softmax_lse = bool(return_lse)
-    if (block_table is not None and seqused_k is not None and page_table is None
-            and cu_seqlens_k is None and type(max_seqlen_q) is int and max_seqlen_q >= 0
-            and type(max_seqlen_k) is int and max_seqlen_k >= 0 and not dropout_p
-            and q_v is None and alibi_slopes is None and not return_attn_probs
-            and seqused_q is None and cp_world_size == 1 and cp_rank == 0
-            and cp_tot_seqused_k is None and (causal is True or causal is False)
-            and (q_descale is None or type(q_descale) is torch.Tensor)):
-        # A layer's call in vLLM's form (each test above is one _Call.of would pass):
-        # launch straight away if the last paged call's plan serves it.
-        att = one_shot_fast(_LAST, "paged", (cu_seqlens_q, seqused_k, None, block_table),
-                            _scalars(causal, softmax_scale, window_size, softcap), q, k, v,
-                            out)
-        if att is not None:
-            return _run(att, att._plan, q, k, v, out, s_aux, return_softmax_lse,
-                        _descale("k_descale", k_descale, att.fp8),
-                        _descale("v_descale", v_descale, att.fp8))
-    call = _Call.of(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k,
-                    seqused_k, q_v, dropout_p, softmax_scale, causal, window_size, softcap,
-                    alibi_slopes, return_attn_probs, block_table, q_descale, k_descale,
-                    v_descale, cp_world_size, cp_rank, cp_tot_seqused_k, page_table,
-                    seqused_q)
-    att = call.plan()
-    plan = att.current_plan
-    att._check_tensors(plan, q, call.k_cache, call.v_cache, out)
-    res = _run(att, plan, q, call.k_cache, call.v_cache, out, s_aux, return_softmax_lse,
-               call.scales.get("k_scale"), call.scales.get("v_scale"))
-    if block_table is not None:
-        _LAST["paged"] = (att, call.planner)
-    return res
-
-
-# "paged" -> the (PODAttention, CallPlanner) of the last paged call that launched.
-_LAST: dict = {}
-
-
 def _scalars(causal, softmax_scale, window_size, softcap) -> tuple:
     """What besides the index tensors a call's plan depends on (the page size and form
     are the attention's and the index tuple's)."""
     return (causal, softmax_scale, _window(window_size), 0.0 if softcap is None else softcap)
 
 
-def _run(att, plan, q, k_cache, v_cache, out, s_aux, return_softmax_lse, k_scale, v_scale):
+def flash_attn_varlen_func(q, k, v, *args, **kwargs):
+    """Varlen attention over a paged (or contiguous) KV cache in any FlashAttention
+    flavour's calling convention (module docstring)."""
+    return _varlen(q, k, v, *_bind(None, args, kwargs))
+
+
+def flash_attn2_varlen_func(q, k, v, *args, **kwargs):
+    """FlashAttention 2's ``flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k,
+    max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
+    alibi_slopes, deterministic, return_attn_probs, block_table)``; returns ``out``."""
+    return _varlen(q, k, v, *_bind("fa2", args, kwargs))
+
+
+def flash_attn3_varlen_func(q, k, v, *args, **kwargs):
+    """FlashAttention 3's (``hopper/flash_attn_interface.py``) order: ``cu_seqlens_q,
+    cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, softmax_scale,
+    causal, qv, q_descale, k_descale, v_descale, window_size, attention_chunk, softcap,
+    num_splits, pack_gqa, deterministic, sm_margin, return_attn_probs``."""
+    return _varlen(q, k, v, *_bind("fa3", args, kwargs))
+
+
+def flash_attn4_varlen_func(q, k, v, *args, **kwargs):
+    """FlashAttention 4's (``flash_attn.cute``) order: ``cu_seqlens_q, cu_seqlens_k,
+    max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, page_table, softmax_scale, causal,
+    window_size, learnable_sink, softcap, num_splits, pack_gqa, deterministic, score_mod,
+    aux_tensors, return_lse``; returns ``(out, lse)`` (lse [Hq, total_q] with
+    ``return_lse``, else None)."""
+    return _varlen(q, k, v, *_bind("fa4", args, kwargs))
+
+
+def _varlen(q, k, v, a: dict, flavour: str):
+    """The call, its arguments bound (_bind)."""
+    want_lse = bool(a["return_softmax_lse"])
+    handle = a["scheduler_metadata"]
+    if isinstance(handle, StepPlan):
+        res = _run_named(q, k, v, a, handle, want_lse)
+    else:
+        res = _run_one_shot(q, k, v, a, want_lse)
+    if flavour == "fa4":
+        return res if want_lse else (res, None)
+    return res
+
+
+def _run_named(q, k, v, a: dict, handle: StepPlan, want_lse: bool):
+    """A call that names its plan (scheduler_metadata=StepPlan): no planning, no compare."""
+    _check_semantics(a)
+    scalars = _scalars(a["causal"], a["softmax_scale"], a["window_size"], a["softcap"])
+    handle.check(scalars, _WHERE)
+    att = handle.attn
+    if a["block_table"] is not None:
+        _check_tensor("k", k, 4)
+        _check_tensor("v", v, 4)
+        k_cache, v_cache = k, v
+    else:
+        _check_tensor("k", k, 3)
+        _check_tensor("v", v, 3)
+        k_cache, v_cache = k.unsqueeze(1), v.unsqueeze(1)
+    plan = handle.plan
+    att._check_tensors(plan, q, k_cache, v_cache, a["out"])
+    B = plan.batch_size
+    return _run(att, plan, q, k_cache, v_cache, a["out"], _sinks(a["s_aux"]), want_lse,
+                _descale("k_descale", a["k_descale"], att.fp8, B),
+                _descale("v_descale", a["v_descale"], att.fp8, B))
+
+
+def _run_one_shot(q, k, v, a: dict, want_lse: bool):
+    """A call without a named plan: the per-layer path when the last paged call's plan
+    serves it (podcute.reuse), else the argument mapping and plan()."""
+    bt, seqused_k, causal = a["block_table"], a["seqused_k"], a["causal"]
+    if (bt is not None and seqused_k is not None and a["cu_seqlens_k"] is None
+            and type(a["max_seqlen_q"]) is int and type(a["max_seqlen_k"]) is int
+            and (causal is True or causal is False) and not a["dropout_p"]
+            and a["q_v"] is None and a["alibi_slopes"] is None and not a["return_attn_probs"]
+            and a["seqused_q"] is None and a["cp_world_size"] == 1 and a["cp_rank"] == 0
+            and a["cp_tot_seqused_k"] is None and not a["attention_chunk"]
+            and a["score_mod"] is None and a["aux_tensors"] is None and a["mask_mod"] is None
+            and a["block_sparse_tensors"] is None
+            and (a["q_descale"] is None or type(a["q_descale"]) is torch.Tensor)):
+        # A layer's call in vLLM's form (each test above is one _Call.of would pass):
+        # launch straight away if the last paged call's plan of its kind serves it.
+        scalars = _scalars(causal, a["softmax_scale"], a["window_size"], a["softcap"])
+        att = one_shot_fast(_LAST, ("paged", scalars), (a["cu_seqlens_q"], seqused_k, None, bt),
+                            scalars, q, k, v, a["out"])
+        if att is not None:
+            B = att._plan.batch_size
+            return _run(att, att._plan, q, k, v, a["out"], _sinks(a["s_aux"]), want_lse,
+                        _descale("k_descale", a["k_descale"], att.fp8, B),
+                        _descale("v_descale", a["v_descale"], att.fp8, B))
+    call = _Call.of(q, k, v, a)
+    att = call.plan()
+    plan = att.current_plan
+    att._check_tensors(plan, q, call.k_cache, call.v_cache, a["out"])
+    res = _run(att, plan, q, call.k_cache, call.v_cache, a["out"], _sinks(a["s_aux"]),
+               want_lse, call.scales.get("k_scale"), call.scales.get("v_scale"))
+    if bt is not None:
+        _LAST[("paged", call.scalars)] = (att, call.planner)
+    return res
+
+
+# ("paged", scalars) -> the (PODAttention, CallPlanner) of the last paged call of that
+# kind that launched.
+_LAST: dict = {}
+
+
+def _run(att, plan, q, k_cache, v_cache, out, sinks, return_softmax_lse, k_scale, v_scale):
     """The launch once q, the caches and out passed run()'s checks; FlashAttention's
     returns (softmax_lse [Hq, total_q])."""
     if not return_softmax_lse:
-        return att._run_checked(plan, q, k_cache, v_cache, out, False, None, s_aux, k_scale,
+        return att._run_checked(plan, q, k_cache, v_cache, out, False, None, sinks, k_scale,
                                 v_scale)
     lse = torch.empty(att.num_qo_heads, q.shape[0], dtype=torch.float32, device=q.device)
-    out, _ = att._run_checked(plan, q, k_cache, v_cache, out, True, lse.t(), s_aux, k_scale,
+    out, _ = att._run_checked(plan, q, k_cache, v_cache, out, True, lse.t(), sinks, k_scale,
                               v_scale)
     return out, lse
 
 
-def flash_attn_varlen_plan(q, k, v, max_seqlen_q=None, cu_seqlens_q=None, max_seqlen_k=None,
-                           cu_seqlens_k=None, seqused_k=None, softmax_scale=None, causal=False,
-                           block_table=None, *, page_table=None, window_size=None, softcap=0.0,
-                           **unused) -> None:
-    """Plan the batch of a coming `flash_attn_varlen_func` call without launching it:
-    what an engine calls once per step before replaying a CUDA graph that captured the
-    step's calls (the replayed launches read the plan of the latest call or this one;
-    the captured calls themselves plan nothing while their metadata is unchanged). Takes
-    the same arguments; `q`, `k`, `v` give shapes, dtype and device only."""
-    _Call.of(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k, seqused_k,
-             None, 0.0, softmax_scale, causal, window_size, softcap, None, False, block_table,
-             None, None, None, 1, 0, None, page_table, None).plan()
+def flash_attn_varlen_plan(q, k, v, *args, **kwargs) -> StepPlan:
+    """Plan the batch of the coming ``flash_attn_varlen_func`` calls of a step, without
+    launching, and return the plan's handle: pass it to those calls as
+    ``scheduler_metadata`` (they then neither plan nor compare their index tensors) and,
+    with CUDA graphs, call this once per step before replaying (the replayed launches
+    read this plan). Takes flash_attn_varlen_func's arguments (any flavour's order);
+    ``q``, ``k``, ``v`` give shapes, dtype and device only. It always plans: the handle
+    names the metadata its tensors hold now."""
+    a, _ = _bind(None, args, kwargs)
+    call = _Call.of(q, k, v, a)
+    call.planner.invalidate()
+    att = call.plan()
+    return StepPlan(att, att.current_plan, call.scalars)
 
 
 class _Call:
     """One call's arguments mapped onto podcute: the caches as the kernel reads them, the
-    one-shot PODAttention of the configuration, and how to plan the batch."""
+    one-shot PODAttention of the configuration and scalars, and how to plan the batch."""
 
     def __init__(self, att, planner, k_cache, v_cache, scales, index_args, scalars, plan_fn):
         self.att, self.planner = att, planner
         self.k_cache, self.v_cache = k_cache, v_cache
         self.scales = scales  # run()'s k_scale / v_scale keywords (fp8 caches)
-        self._index_args, self._scalars, self._plan_fn = index_args, scalars, plan_fn
+        self.scalars = scalars
+        self._index_args, self._plan_fn = index_args, plan_fn
 
     def plan(self):
         """Plan (or reuse the plan of the same metadata: podcute.reuse); the attention."""
-        self.planner.plan(self._index_args, self._scalars, self._plan_fn)
+        self.planner.plan(self._index_args, self.scalars, self._plan_fn, _WHERE)
         return self.att
 
     @staticmethod
-    def of(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k, seqused_k, q_v,
-           dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-           return_attn_probs, block_table, q_descale, k_descale, v_descale, cp_world_size,
-           cp_rank, cp_tot_seqused_k, page_table, seqused_q) -> "_Call":
-        if isinstance(max_seqlen_q, torch.Tensor):
-            # Upstream order: (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k).
-            (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) = (
-                max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k)
-        if page_table is not None:
-            if block_table is not None:
-                raise ValueError("flash_attn_varlen_func: pass block_table or page_table, "
-                                 "not both")
-            block_table = page_table
-        _check_semantics(dropout_p, alibi_slopes, return_attn_probs, q_v, seqused_q,
-                         cp_world_size, cp_rank, cp_tot_seqused_k)
-        _descale("q_descale", q_descale, fp8=False)  # its type only: 16-bit queries
-        window = _window(window_size)
-        softcap = 0.0 if softcap is None else softcap
-        for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+    def of(q, k, v, a: dict) -> "_Call":
+        cu_seqlens_q, cu_seqlens_k, seqused_k = a["cu_seqlens_q"], a["cu_seqlens_k"], a["seqused_k"]
+        block_table, causal = a["block_table"], a["causal"]
+        _check_semantics(a)
+        if a["q_descale"] is not None and not isinstance(a["q_descale"], torch.Tensor):
+            raise TypeError(f"{_WHERE}q_descale must be a float32 tensor or None, got "
+                            f"{type(a['q_descale']).__name__}")
+        window = _window(a["window_size"])
+        softcap = 0.0 if a["softcap"] is None else a["softcap"]
+        for name in ("max_seqlen_q", "max_seqlen_k"):
+            m = a[name]
             if m is not None and (isinstance(m, bool) or not isinstance(m, (int, np.integer))
                                   or m < 0):
-                raise TypeError(f"flash_attn_varlen_func: {name} must be a non-negative int, got "
-                                f"{m!r}")
+                raise TypeError(f"{_WHERE}{name} must be a non-negative int, got {m!r}")
         if cu_seqlens_q is None:
-            raise ValueError("flash_attn_varlen_func: cu_seqlens_q is required")
+            raise ValueError(f"{_WHERE}cu_seqlens_q is required")
         _check_tensor("q", q, 3)
         if not isinstance(causal, bool):
-            raise TypeError(f"flash_attn_varlen_func: causal must be a bool, got "
-                            f"{type(causal).__name__}")
+            raise TypeError(f"{_WHERE}causal must be a bool, got {type(causal).__name__}")
+        _check_sm_scale(a["softmax_scale"], "softmax_scale")
+        options = PlanOptions.make(causal, window, softcap)  # named errors before any plan
+        scalars = (causal, a["softmax_scale"], (options.window_left, options.window_right),
+                   softcap)
 
         if block_table is not None:
             # Paged: caches [num_blocks, block_size, Hkv, D], lengths in seqused_k (vLLM) or
@@ -284,38 +464,52 @@ class _Call:
             _check_tensor("k", k, 4)
             _check_tensor("v", v, 4)
             if (seqused_k is None) == (cu_seqlens_k is None):
-                raise ValueError("flash_attn_varlen_func: with block_table pass exactly one of "
-                                 "seqused_k or cu_seqlens_k (the KV lengths)")
+                raise ValueError(f"{_WHERE}with block_table pass exactly one of seqused_k or "
+                                 "cu_seqlens_k (the KV lengths)")
             k_cache, v_cache = k, v
             if seqused_k is None:
                 _check_indptr(cu_seqlens_k)
             pages = dict(block_table=block_table)
             index_args = (cu_seqlens_q, seqused_k, cu_seqlens_k, block_table)
+            kv_name = "seqused_k" if seqused_k is not None else "cu_seqlens_k"
         else:
             # Contiguous varlen K/V [total_k, Hkv, D]: pages of one token, CSR indices 0..n-1.
             _check_tensor("k", k, 3)
             _check_tensor("v", v, 3)
             if cu_seqlens_k is None or seqused_k is not None:
-                raise ValueError("flash_attn_varlen_func: without block_table pass cu_seqlens_k "
-                                 "(contiguous K/V) and no seqused_k")
+                raise ValueError(f"{_WHERE}without block_table pass cu_seqlens_k (contiguous "
+                                 "K/V) and no seqused_k")
             _check_indptr(cu_seqlens_k)
             k_cache, v_cache = k.unsqueeze(1), v.unsqueeze(1)
             pages = dict(kv_indptr=cu_seqlens_k, kv_indices=_token_pages(k.shape[0]))
             index_args = (cu_seqlens_q, cu_seqlens_k)
+            kv_name = "cu_seqlens_k"
 
         att, planner = one_shot_for(q, k_cache, v_cache, "NHD", where=_WHERE,
-                                    names=("q", "k", "v"))
+                                    names=("q", "k", "v"), scalars=scalars)
+        B = cu_seqlens_q.shape[0] - 1 if hasattr(cu_seqlens_q, "shape") else 0
         scales = {}
-        if k_descale is not None or v_descale is not None:
-            scales = dict(k_scale=_descale("k_descale", k_descale, att.fp8),
-                          v_scale=_descale("v_descale", v_descale, att.fp8))
+        if a["k_descale"] is not None or a["v_descale"] is not None:
+            scales = dict(k_scale=_descale("k_descale", a["k_descale"], att.fp8, B),
+                          v_scale=_descale("v_descale", a["v_descale"], att.fp8, B))
 
         def plan():
             # KV lengths from seqused_k, else from cu_seqlens_k (a device op when it lives
             # there: done only when a call plans, and read back in plan()'s one copy).
             kv_lens = seqused_k if seqused_k is not None else cu_seqlens_k[1:] - cu_seqlens_k[:-1]
-            att.plan(cu_seqlens_q, kv_lens, causal=causal, sm_scale=softmax_scale,
-                     window_size=window, softcap=softcap, _kv_name="seqused_k", **pages)
+            try:
+                att.plan(cu_seqlens_q, kv_lens, causal=causal, sm_scale=a["softmax_scale"],
+                         window_size=window, softcap=softcap, _kv_name=kv_name, **pages)
+            except (TypeError, ValueError) as err:
+                raise type(err)(_WHERE + _renamed(str(err), kv_name)) from err
 
-        return _Call(att, planner, k_cache, v_cache, scales, index_args,
-                     _scalars(causal, softmax_scale, window_size, softcap), plan)
+        return _Call(att, planner, k_cache, v_cache, scales, index_args, scalars, plan)
+
+
+def _renamed(msg: str, kv_name: str) -> str:
+    """A planner message in FlashAttention's names: contiguous K/V's CSR offsets are
+    cu_seqlens_k, its lengths are cu_seqlens_k's differences."""
+    msg = msg.replace("sm_scale", "softmax_scale")
+    if kv_name != "cu_seqlens_k":
+        return msg
+    return msg.replace("kv_indptr", "cu_seqlens_k").replace("kv_indices", "the K/V rows")

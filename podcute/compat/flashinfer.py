@@ -188,17 +188,38 @@ def _plan_dtype(q_data_type, kv_data_type=None, data_type=None) -> tuple:
     return q, kv
 
 
-def _scales(attn: PODAttention, q_scale, k_scale, v_scale) -> dict:
-    """run()'s fp8 scales as PODAttention.run's keyword arguments, checked now (before a
-    wrapper's first launch): k_scale/v_scale as the kernel's tensors for an fp8 cache,
-    none for a 16-bit one (which takes only None or 1, as does q_scale: queries are never
-    fp8)."""
+def _scales(attn: PODAttention, q_scale, k_scale, v_scale) -> tuple:
+    """run()'s scales, checked now (before a wrapper's first launch): (PODAttention.run's
+    keyword arguments, the factor for the output). An fp8 cache takes k_scale/v_scale as
+    the kernel's dequantisation tensors; a 16-bit cache, as FlashInfer, multiplies the
+    output by v_scale (a float; the LSE is unscaled) and takes k_scale None or 1. q_scale
+    must be None or 1: queries are never fp8."""
     _check_features(q_scale=q_scale)
     if not attn.fp8:
-        _check_features(k_scale=k_scale, v_scale=v_scale)
-        return {}
+        _check_features(k_scale=k_scale)
+        if _is_unit(v_scale):
+            return {}, None
+        if isinstance(v_scale, torch.Tensor):  # one value, multiplied on the device
+            if v_scale.numel() != 1 or not v_scale.dtype.is_floating_point:
+                raise ValueError(f"v_scale must be a float or a one-element float tensor with a "
+                                 f"bf16/fp16 cache, got a {v_scale.dtype} tensor of shape "
+                                 f"{tuple(v_scale.shape)}")
+            return {}, v_scale.reshape(())
+        if isinstance(v_scale, bool) or not isinstance(v_scale, (int, float)):
+            raise TypeError(f"v_scale must be a float or None with a bf16/fp16 cache, got "
+                            f"{type(v_scale).__name__}")
+        if not math.isfinite(v_scale):
+            raise ValueError(f"v_scale must be finite, got {v_scale}")
+        return {}, float(v_scale)
     return {name: _scale_tensor(name, x, attn.num_kv_heads, attn.device, attn._scales)
-            for name, x in (("k_scale", k_scale), ("v_scale", v_scale))}
+            for name, x in (("k_scale", k_scale), ("v_scale", v_scale))}, None
+
+
+def _scaled(out: torch.Tensor, factor, rows: int) -> torch.Tensor:
+    """out's first `rows` rows multiplied by a 16-bit cache's v_scale (None: unchanged)."""
+    if factor is not None:
+        out[:rows].mul_(factor)
+    return out
 
 
 def _workspace_device(buf, name="float_workspace_buffer") -> torch.device:
@@ -216,7 +237,7 @@ def _flashinfer_names(names: dict, note: str = ""):
     """Re-raise podcute's argument errors under FlashInfer's argument names (+ a note)."""
     try:
         yield
-    except (TypeError, ValueError) as err:
+    except (TypeError, ValueError, NotImplementedError) as err:
         msg = str(err)
         for ours, theirs in names.items():
             msg = re.sub(rf"\b{ours}\b", theirs, msg)
@@ -340,7 +361,10 @@ class _Wrapper:
         self._attns: dict = {}
 
     def _attention(self, role, num_qo_heads, num_kv_heads, head_dim, page_size, dtype,
-                   kv_dtype=None, head_dim_name="head_dim") -> PODAttention:
+                   kv_dtype=None, head_dim_name="head_dim", **capacities) -> PODAttention:
+        """The PODAttention of a role and configuration; `capacities` (PODAttention's
+        max_batch_size / max_num_pages) size a new one, as FlashInfer sizes a CUDA-graph
+        wrapper from the buffers the caller hands it."""
         for name, v in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
                         (head_dim_name, head_dim), ("page_size", page_size)):
             _check_int(name, v)
@@ -350,7 +374,7 @@ class _Wrapper:
             with _flashinfer_names({"head_dim": head_dim_name, "kv_dtype": "kv_data_type"}):
                 attn = PODAttention(num_qo_heads, num_kv_heads, head_dim, page_size,
                                     dtype=dtype, kv_layout=self._kv_layout, device=self.device,
-                                    kv_dtype=kv_dtype)
+                                    kv_dtype=kv_dtype, **capacities)
             self._attns[key] = attn
         return attn
 
@@ -400,6 +424,7 @@ class BatchPODWithPagedKVCacheWrapper(_Wrapper):
         self._causal = False  # causal_p of the last run(): what plan() plans
         self._staging: dict = {}  # PODAttention -> q buffer [rows, Hq, D]
         self._captured_rows_p = None  # q_p's rows in a captured run()
+        self._sides = None  # causal_p -> per-side PODAttentions (separate caches)
 
     @property
     def is_cuda_graph_enabled(self) -> bool:
@@ -418,7 +443,7 @@ class BatchPODWithPagedKVCacheWrapper(_Wrapper):
         window = _window("window_left", window_left)
         _check_bool("non_blocking", non_blocking)
         dtype, kv_dtype = _plan_dtype(q_data_type, kv_data_type, data_type)
-        self._attn = self._batch = None  # a failed plan() leaves no stale plan behind
+        self._attn = self._batch = self._sides = None  # a failed plan() leaves no stale plan
         attn = self._attention("pod", num_qo_heads, num_kv_heads, head_dim, page_size, dtype,
                                kv_dtype)
         named = {}
@@ -491,15 +516,16 @@ class BatchPODWithPagedKVCacheWrapper(_Wrapper):
         _check_bool("return_lse", return_lse)
         _check_bool("enable_pdl", enable_pdl, optional=True)
         attn, b = _require_plan(self._attn), self._batch
-        scales = _scales(attn, q_scale, k_scale, v_scale)
+        scales, out_scale = _scales(attn, q_scale, k_scale, v_scale)
         _check_q("q_p", q_p, attn, b.total_p, exact=True)
         _check_q("q_d", q_d, attn, b.total_d)
         k, v = unpack_paged_kv_cache(paged_kv_cache_p, self._kv_layout, "paged_kv_cache_p")
         k_d, v_d = unpack_paged_kv_cache(paged_kv_cache_d, self._kv_layout, "paged_kv_cache_d")
-        if not (_same_view(k, k_d) and _same_view(v, v_d)):
-            raise NotImplementedError("paged_kv_cache_p and paged_kv_cache_d must be the same "
-                                      "KV cache: podcute's one launch reads one cache")
         _check_cache_dtype("paged_kv_cache_p", k, v, attn.kv_dtype)
+        if not (_same_view(k, k_d) and _same_view(v, v_d)):
+            _check_cache_dtype("paged_kv_cache_d", k_d, v_d, attn.kv_dtype)
+            return self._run_sides(q_p, (k, v), q_d, (k_d, v_d), causal_p, return_lse,
+                                   scales, out_scale)
         if causal_p and b.max_q_d > 1:
             raise NotImplementedError(
                 f"causal_p=True with a decode request of {b.max_q_d} query tokens is not "
@@ -521,10 +547,53 @@ class BatchPODWithPagedKVCacheWrapper(_Wrapper):
             self._captured_rows_p = b.total_p
         n = q_p.shape[0]
         if not return_lse:
+            _scaled(res, out_scale, n + b.total_d)
             return res[:n], res[n:]
         out, lse = res
+        _scaled(out, out_scale, n + b.total_d)
         lse.mul_(LOG2E)
         return (out[:n], out[n:]), (lse[:n], lse[n:])
+
+
+    def _run_sides(self, q_p, cache_p, q_d, cache_d, causal_p, return_lse, scales,
+                   out_scale):
+        """Separate prefill and decode caches: each side over its own cache, two launches
+        (one podcute launch reads one cache), each side planned from the plan()'s copies
+        on first use (the decode side without a mask, as FlashInfer runs it)."""
+        b = self._batch
+        sides = self._sides.get(causal_p) if self._sides is not None else None
+        if sides is None:
+            if _capturing():
+                raise RuntimeError("run() with separate prefill and decode caches under "
+                                   "CUDA-graph capture needs new plans; run it once eagerly "
+                                   "before capturing")
+            n, ip = b.num_prefill, b.indptr
+            split = int(ip[n])
+            sides = []
+            for role, cu, indptr, indices, last, causal in (
+                    ("pod_p", b.cu[: n + 1], ip[: n + 1], b.indices[:split],
+                     b.last_page_len[:n], causal_p),
+                    ("pod_d", b.cu[n:] - b.cu[n], ip[n:] - split, b.indices[split:],
+                     b.last_page_len[n:], False)):
+                attn = self._attention(role, self._attn.num_qo_heads, self._attn.num_kv_heads,
+                                       self._attn.head_dim, self._attn.page_size,
+                                       self._attn.dtype, self._attn.kv_dtype)
+                with _flashinfer_names({"cu_seqlens_q": f"qo_indptr_{role[-1]}"}):
+                    attn.plan(cu, kv_indptr=indptr, kv_indices=indices, last_page_len=last,
+                              causal=causal, sm_scale=b.sm_scale, window_size=b.window)
+                sides.append(attn)
+            self._sides = {causal_p: sides}  # (a side's attention holds one plan)
+        res = []
+        for attn, q, (k, v), rows in ((sides[0], q_p, cache_p, b.total_p),
+                                      (sides[1], q_d, cache_d, b.total_d)):
+            r = attn.run(q, k, v, return_lse=return_lse, **scales)
+            _scaled(r[0] if return_lse else r, out_scale, rows)
+            if return_lse:
+                r[1][:rows].mul_(LOG2E)
+            res.append(r)
+        if not return_lse:
+            return res[0], res[1]
+        return (res[0][0], res[1][0]), (res[0][1], res[1][1])
 
 
 def _checked_side(side: str, tensors, device) -> dict:
@@ -641,8 +710,12 @@ class PODWithPagedKVCacheWrapper(_Wrapper):
         _check_bool("non_blocking", non_blocking)
         dtype, kv_dtype = _plan_dtype(q_data_type, kv_data_type, data_type)
         self._decode = None
+        sizes = {}
+        if self._use_cuda_graph:  # FlashInfer sizes a graph wrapper from its buffers
+            sizes = dict(max_batch_size=max(self._fixed_batch_size, 1),
+                         max_num_pages=max(len(self._paged_kv_indices_buf), 1))
         attn = self._attention("decode", num_qo_heads, num_kv_heads, head_dim, page_size, dtype,
-                               kv_dtype)
+                               kv_dtype, **sizes)
         _check_index("last_page_len", last_page_len, attn.device, 1)
         B = last_page_len.shape[0]
         _check_index("indptr", indptr, attn.device, 1, B + 1)
@@ -665,7 +738,9 @@ class PODWithPagedKVCacheWrapper(_Wrapper):
             attn.plan(np.arange(B + 1, dtype=np.int32), kv_indptr=ip, kv_indices=indices,
                       last_page_len=last, causal=causal, sm_scale=sm_scale, window_size=window)
         self._decode = attn
-        self._decode_inputs = (ip, indices[: ip[-1]], last)
+        # Copies, as FlashInfer copies at plan(): run() may plan the fused batch from them,
+        # and the caller may write its tensors after plan().
+        self._decode_inputs = (ip.copy(), indices[: ip[-1]].copy(), last.copy())
         if self._fused_key is not None:
             # Re-plan the fused batch for the last prefill now, so a captured run()
             # replays this decode batch.
@@ -709,7 +784,8 @@ class PODWithPagedKVCacheWrapper(_Wrapper):
         _check_layout("kv_layout_d", kv_layout_d)
         window_p = _window("window_left_p", window_left_p)
         decode = _require_plan(self._decode)
-        scales = _scales(decode, q_scale, k_scale, v_scale)  # the decode side's, as FlashInfer
+        # the decode side's, as FlashInfer's
+        scales, out_scale = _scales(decode, q_scale, k_scale, v_scale)
         planned = decode.current_plan.options.window_left
         if _window("window_left_d", window_left_d)[0] not in (-1, planned):
             raise ValueError(f"window_left_d={window_left_d} differs from plan()'s window_left "
@@ -736,10 +812,14 @@ class PODWithPagedKVCacheWrapper(_Wrapper):
             # k_p / v_p as one page of all their tokens (canonical: the kernel's own view)
             ragged = [_ragged_as_pages(t, kv_layout_p, kv_len, "NHD") for t in (k_p, v_p)]
             out = self._fused.run(q, k_d, v_d, _ragged_kv=ragged, **scales)
-            return out[: q_p.shape[0]], out[q_p.shape[0]:]
+            n = q_p.shape[0]
+            _scaled(out[n:], out_scale, decode.current_plan.total_q)
+            return out[:n], out[n:]
         prefill, k_pages, v_pages = self._plan_prefill(q_p, k_p, v_p, kv_layout_p, causal_p,
                                                        sm_scale_p, window_p, kv_len)
-        return prefill.run(q_p, k_pages, v_pages), decode.run(q_d, k_d, v_d, **scales)
+        out_d = decode.run(q_d, k_d, v_d, **scales)
+        return (prefill.run(q_p, k_pages, v_pages),
+                _scaled(out_d, out_scale, decode.current_plan.total_q))
 
     def _fusable(self, kv_len, causal_p, sm_scale_p, window_p) -> bool:
         """Whether the prefill can join the planned decode batch in one plan: a 16-bit
@@ -867,12 +947,14 @@ class BatchAttention(_Wrapper):
         filled when given (rows past ``qo_indptr[-1]`` are left as they are)."""
         _check_features(profiler_buffer=profiler_buffer, kv_cache_sf=kv_cache_sf)
         attn = _require_plan(self._attn)
-        scales = _scales(attn, None, k_scale, v_scale)
+        scales, out_scale = _scales(attn, None, k_scale, v_scale)
         cap = _softcap("logits_soft_cap", logits_soft_cap)
         if cap not in (0.0, attn.current_plan.options.softcap):
             raise ValueError(f"logits_soft_cap={logits_soft_cap} differs from plan()'s "
                              f"({attn.current_plan.options.softcap}); pass it to plan()")
         k, v = unpack_paged_kv_cache(kv_cache, self._kv_layout, "kv_cache")
         out, lse = attn.run(q, k, v, out=out, return_lse=True, lse=lse, **scales)
-        lse[: attn.current_plan.total_q].mul_(LOG2E)
+        rows = attn.current_plan.total_q
+        _scaled(out, out_scale, rows)
+        lse[:rows].mul_(LOG2E)
         return out, lse

@@ -40,12 +40,13 @@ FP8_HEAD_DIMS = (64, 96, 128)
 
 
 def check_fp8_kv(head_dim: int, kv_dtype: str) -> None:
-    """ValueError naming what is wrong unless an fp8 cache of `kv_dtype` can serve
-    `head_dim` (KernelConfig.select and the API's constructor, before any device check)."""
+    """ValueError naming what is wrong (NotImplementedError for a head dim it lacks)
+    unless an fp8 cache of `kv_dtype` can serve `head_dim` (KernelConfig.select and the API's constructor, before any device check)."""
     if kv_dtype not in FP8_KV_DTYPES:
         raise ValueError(f"kv_dtype must be one of {FP8_KV_DTYPES}, got {kv_dtype!r}")
     if head_dim not in FP8_HEAD_DIMS:
-        raise ValueError(f"fp8 KV caches need head_dim in {FP8_HEAD_DIMS}, got {head_dim}")
+        raise NotImplementedError(f"fp8 KV caches at head_dim {head_dim} are not supported by "
+                                  f"podcute (supported: head_dim in {FP8_HEAD_DIMS})")
 
 def arch_head_dims(arch: str) -> tuple:
     """The head dims `arch`'s kernel serves."""
@@ -548,12 +549,13 @@ class KernelConfig:
         CTAs come first: a lone CTA would leave its SM idle at every barrier; the second
         stage doubles the bytes a decoding CTA keeps in flight (its one busy warp waits on
         HBM latency, not on its MMAs)."""
+        # (features the warp-level kernel lacks: NotImplementedError, as the API's own)
         if kv_dtype:
-            raise ValueError(f"fp8 KV caches need the sm_90a kernel; {arch} has none "
-                             f"(kv_dtype {kv_dtype!r})")
+            raise NotImplementedError(f"fp8 KV caches need the sm_90a kernel; {arch} has none "
+                                      f"(kv_dtype {kv_dtype!r})")
         if head_dim not in WARP_HEAD_DIMS:
-            raise ValueError(f"head_dim {head_dim} has no kernel on {arch} (the warp-level "
-                             f"kernel serves {WARP_HEAD_DIMS})")
+            raise NotImplementedError(f"head_dim {head_dim} has no kernel on {arch} (the "
+                                      f"warp-level kernel serves {WARP_HEAD_DIMS})")
         cfg = KernelConfig(
             arch=arch, dtype=dtype, head_dim=head_dim, group=group, causal=bool(causal),
             has_lse=bool(has_lse), kv_box=0, tile_m_prefill=64, tile_m_decode=64, tile_n=64,
