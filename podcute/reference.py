@@ -194,8 +194,8 @@ def pod_attention_reference(
     [Hq] adds exp(sinks[h]) to the softmax denominator (a key with no value, not
     soft-capped); lse is then the full normaliser log(sum_t exp(s_t) + exp(sink)).
 
-    A row that sees no key (kv_len == 0, causal with q_len > kv_len, which the API
-    rejects, or a window that excludes every key) gets out 0 and lse -inf (lse = sink
+    A row that sees no key (kv_len == 0, the first q_len - kv_len rows with causal and
+    q_len > kv_len, or a window that excludes every key) gets out 0 and lse -inf (lse = sink
     with sinks); rows of q that no request covers get 0 and -inf.
 
     fp8 caches (torch.float8_e4m3fn / float8_e5m2, docs/contract.md "fp8 KV caches"):

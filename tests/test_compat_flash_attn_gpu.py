@@ -5,13 +5,17 @@
 - a step of several layers reuses its plan, and a step whose lengths or pages change in
   place (the same tensors) is never served the stale plan: its outputs are right;
 - CUDA graphs of whole multi-layer steps (`PODAttention.run()` per layer, and the compat
-  call per layer): captured once, then per step plan() (or `flash_attn_varlen_plan`) with
-  new lengths and pages, and replay: bitwise equal to eager execution, for steps whose
-  prefill/decode mix and lengths change.
+  call per layer naming the step's plan): captured once, then per step plan() (or
+  `flash_attn_varlen_plan`) with new lengths and pages, and replay: bitwise equal to eager
+  execution, for steps whose prefill/decode mix and lengths change;
+- a serving loop in vLLM's pattern: persistent NumPy metadata buffers written in place and
+  passed as fresh `torch.from_numpy` slices, sliding-window and full layers alternating,
+  eager steps and a whole-step graph, each step checked against the reference.
 """
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -219,9 +223,10 @@ class Step:
         return bs
 
     def plan(self):
-        if self.compat:
-            flash_attn_varlen_plan(self.q[0], self.k[0], self.v[0], 0, self.cu, 0,
-                                   seqused_k=self.kvl, block_table=self.bt, causal=True)
+        if self.compat:  # the step's plan, named by every layer's call
+            self.handle = flash_attn_varlen_plan(self.q[0], self.k[0], self.v[0], 0, self.cu,
+                                                 0, seqused_k=self.kvl, block_table=self.bt,
+                                                 causal=True)
         else:
             self.attn.plan(self.cu, self.kvl, block_table=self.bt, causal=True)
 
@@ -230,7 +235,7 @@ class Step:
             if self.compat:
                 flash_attn_varlen_func(self.q[i], self.k[i], self.v[i], 0, self.cu, 0,
                                        seqused_k=self.kvl, block_table=self.bt, causal=True,
-                                       out=self.out[i])
+                                       out=self.out[i], scheduler_metadata=self.handle)
             else:
                 self.attn.run(self.q[i], self.k[i], self.v[i], out=self.out[i])
 
@@ -273,3 +278,87 @@ def test_graph_of_whole_steps_replays_like_eager(compat):
         assert replayed[:, n:].isnan().all(), f"step {j}: padding rows written"
         for i, b in enumerate(bs):
             check(replayed[i], None, b, n=n)
+
+
+def test_vllm_serving_loop_numpy_buffers_alternating_layers_and_a_graph():
+    """vLLM's CPU metadata: persistent NumPy buffers written through `.np` views, passed
+    as fresh tensor slices each step; layers alternate a sliding window (64, 0) and full
+    causal attention. Eager steps reuse each kind's plan by value across layers and replan
+    after every in-place write; then a whole-step graph captured with each kind's named
+    plan replays later steps after one flash_attn_varlen_plan per kind."""
+    R, L, T, P = 16, 4, 512, 1200
+    cu_np, kvl_np = np.zeros(R + 1, np.int32), np.zeros(R, np.int32)
+    bt_np = np.zeros((R, 160), np.int32)
+    kinds = [(64, 0), (-1, -1)] * (L // 2)
+    dev = dict(device="cuda", dtype=torch.bfloat16)
+    q = torch.zeros(L, T, HQ, D, **dev)
+    k = torch.randn(L, P, PS, HKV, D, **dev)
+    v = torch.randn(L, P, PS, HKV, D, **dev)
+    out = torch.full((L, T, HQ, D), float("nan"), **dev)
+    rng = np.random.default_rng(5)
+
+    def load(q_lens, kv_lens):
+        n = len(q_lens)
+        cu_np[:] = 0
+        kvl_np[:] = 0
+        cu_np[1: n + 1] = np.cumsum(q_lens)
+        cu_np[n + 1:] = cu_np[n]
+        kvl_np[:n] = kv_lens
+        bt_np[:] = rng.integers(0, P, size=bt_np.shape)  # (requests may share pages)
+        q.normal_()
+        return sum(q_lens)
+
+    def meta():
+        return (torch.from_numpy(cu_np), torch.from_numpy(kvl_np), torch.from_numpy(bt_np))
+
+    def layer(i, cu, kvl, bt, handle=None):
+        kw = {} if handle is None else dict(scheduler_metadata=handle)
+        flash_attn_varlen_func(q[i], k[i], v[i], 0, cu, 0, seqused_k=kvl, block_table=bt,
+                               causal=True, window_size=kinds[i], out=out[i], **kw)
+
+    def reference(i, n):
+        cu, kvl, bt = (t.clone().cuda() for t in meta())
+        ref = podcute.pod_attention_reference(q[i, :n], k[i], v[i], cu_seqlens_q=cu,
+                                              seqused_k=kvl, block_table=bt, causal=True,
+                                              window_size=kinds[i])
+        return ref
+
+    steps = [([300, 1, 1, 7, 1], [300, 600, 33, 2000, 1]),
+             ([1] * 12, [int(x) for x in rng.integers(1, 2500, 12)]),
+             ([64, 1, 1, 2], [64, 2400, 17, 9])]
+    for q_lens, kv_lens in steps:  # eager
+        n = load(q_lens, kv_lens)
+        out.fill_(float("nan"))
+        for i in range(L):
+            layer(i, *meta())
+        for i in range(L):
+            assert rel_l2(out[i, :n], reference(i, n)) <= 5e-3, f"eager step {q_lens}"
+    # graph: each kind's plan named; per step one flash_attn_varlen_plan per kind
+    handles = {}
+
+    def plan_step():
+        for w in set(kinds):
+            handles[w] = flash_attn_varlen_plan(q[0], k[0], v[0], 0, *meta()[:1], 0,
+                                                seqused_k=meta()[1], block_table=meta()[2],
+                                                causal=True, window_size=w)
+
+    load(*steps[0])
+    plan_step()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(L):
+            layer(i, *meta(), handle=handles[kinds[i]])
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(L):
+            layer(i, *meta(), handle=handles[kinds[i]])
+    for q_lens, kv_lens in steps[1:] + steps[:1]:
+        n = load(q_lens, kv_lens)
+        plan_step()
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for i in range(L):
+            assert rel_l2(out[i, :n], reference(i, n)) <= 5e-3, f"replayed step {q_lens}"

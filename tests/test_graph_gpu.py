@@ -182,6 +182,20 @@ def _replay_and_check(e, b, fmt, name):
     fin = ~torch.isinf(ref_lse)
     assert torch.equal(fin, ~torch.isinf(lse))
     assert (lse[fin] - ref_lse[fin]).abs().max().item() <= 1e-3
+    # A request's result does not depend on the object's capacities, history or capture:
+    # a fresh PODAttention (default capacities) planning the same batch gives the same bits.
+    fresh = PODAttention(e.hq, e.hkv, e.d, e.page, dtype=e.dtype, device="cuda")
+    pages = (dict(block_table=b.block_table.cpu()) if fmt == "table"
+             else dict(kv_indptr=b.kv_indptr.cpu(), kv_indices=b.kv_indices.cpu()))
+    fresh.plan(b.cu_seqlens_q.cpu(), b.seqused_k.cpu(), causal=True, **pages)
+    out_f, lse_f = fresh.run(e.q, e.k, e.v, return_lse=True)
+    torch.cuda.synchronize()
+    same = torch.equal(out, out_f[:n]), torch.equal(lse, lse_f[:n])
+    _report["fresh_object_checks"] = _report.get("fresh_object_checks", 0) + 1
+    if not all(same):
+        _report["fresh_object_differs"] = _report.get("fresh_object_differs", 0) + 1
+        _report["failures"].append(f"{name}: fresh object out equal {same[0]}, lse {same[1]}")
+    assert all(same), f"{name}: a fresh object's out/lse differ (out {same[0]}, lse {same[1]})"
 
 
 @pytest.mark.parametrize("pair", _pairs(), ids=lambda p: f"{p[0]}-{p[1]}")

@@ -227,8 +227,10 @@ def test_random_mixed(seed):
             q = 0
         elif kind < 0.7:
             q = min(kv, rng.choice([1, 1, 1, rng.randint(1, 8)]))
-        else:
+        elif kind < 0.93:
             q = min(kv, rng.randint(1, 1500))
+        else:  # causal with more queries than keys: the first q - kv rows see nothing
+            q = kv + rng.randint(1, 200)
         q_lens.append(q)
         kv_lens.append(kv)
     if sum(q_lens) == 0:
@@ -270,6 +272,17 @@ def test_features_split_kv(cfg):
     # Long decodes and a long prefill split their KV: partials never hold the sink, the
     # merge adds it once; the window bounds every split's range.
     check(f"split {cfg}", [1, 1, 2, 700], [32768, 20000, 9000, 30000], **cfg)
+
+
+@pytest.mark.parametrize("page,hq,hkv", [(16, 32, 8), (128, 32, 4), (1, 16, 2)])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_causal_with_more_queries_than_keys(page, hq, hkv, sinks):
+    # Causal, bottom-right aligned as FlashAttention and FlashInfer: the first q_len - kv_len
+    # rows of a request see no key (out 0, lse -inf or the sink), across prefill tiles
+    # (300 / 100), inside decode items (2 / 1, 5 / 3), with no KV at all (4 / 0), beside
+    # ordinary requests.
+    check(f"causal q > kv p{page}", [300, 2, 1, 5, 4, 70], [100, 1, 900, 3, 0, 2000],
+          page=page, hq=hq, hkv=hkv, causal=True, sinks=sinks)
 
 
 def test_rows_that_see_nothing_get_the_sink():
