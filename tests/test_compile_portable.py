@@ -14,7 +14,9 @@ import pytest
 from podcute.compile import cache_dir, shipped_variants
 from podcute.kernels.config import WARP_MMA_ARCHS
 
-pytestmark = pytest.mark.compile
+# The full variant sweep: `python -m pytest -m sweep` (.ci/run runs it after the README's
+# command; tests/test_compile_quick.py is the per-family compile in the default suite).
+pytestmark = [pytest.mark.compile, pytest.mark.sweep]
 
 FEATURES = "window+softcap+sinks"
 BOTH = "bfloat16,float16"  # the shipped set is bf16; the feature check covers fp16 too

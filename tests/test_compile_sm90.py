@@ -11,7 +11,9 @@ import pytest
 from podcute.compile import VariantKey, shipped_variants
 from podcute.kernels.config import KernelConfig
 
-pytestmark = pytest.mark.compile
+# The full variant sweep: `python -m pytest -m sweep` (.ci/run runs it after the README's
+# command; tests/test_compile_quick.py is the per-family compile in the default suite).
+pytestmark = [pytest.mark.compile, pytest.mark.sweep]
 
 
 @pytest.fixture(scope="module")

@@ -51,6 +51,7 @@ def _compile(case, flag: bool):
     return result, max(spills)
 
 
+@pytest.mark.sweep  # two compiles a case (~3 min in all on 2 cores): the -m sweep run
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)).rstrip("-"))
 def test_decode_copies_carry_an_evict_first_policy(case):
     arch, head_dim, page, kv = case
