@@ -25,6 +25,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=200)
     args = ap.parse_args()
 
+    import podcute
     import podcute.api as api
     import podcute.launch as launch
     from podcute.compat.flash_attn import flash_attn_varlen_func
@@ -46,8 +47,8 @@ def main() -> None:
     att.plan(cu, lens, block_table=bt, causal=True)
     calls = {
         "run()": lambda: att.run(q, k, v, out=out),
-        "pod_attention": lambda: api.pod_attention(q, k, v, cu_seqlens_q=cu, seqused_k=lens,
-                                                   block_table=bt, out=out),
+        "pod_attention": lambda: podcute.pod_attention(q, k, v, cu_seqlens_q=cu,
+                                                       seqused_k=lens, block_table=bt, out=out),
         "flash_attn_varlen_func": lambda: flash_attn_varlen_func(
             q, k, v, 1, cu, kv, seqused_k=lens, causal=True, block_table=bt, out=out),
     }

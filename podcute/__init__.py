@@ -1,9 +1,9 @@
 """podcute: fused prefill+decode (POD) paged attention for Hopper, in the CuTe DSL."""
 
-from podcute.api import PODAttention, pod_attention
+from podcute.api import PODAttention
+from podcute.one_shot import invalidate_plans, pod_attention
 from podcute.plan import CapacityError, PlanSummary
 from podcute.reference import pod_attention_reference
-from podcute.reuse import invalidate_plans
 
 __all__ = ["PODAttention", "pod_attention", "pod_attention_reference", "PlanSummary",
            "CapacityError", "invalidate_plans"]

@@ -1,246 +1,27 @@
-"""Public entry points: :class:`PODAttention` (plan once per step, run per layer) and the
-one-shot :func:`pod_attention`.
+""":class:`PODAttention`: plan once per step, run per layer (the one-shot calls are in
+podcute/one_shot.py, the engine-shaped ones in podcute/compat/).
 
-All input validation lives here and happens before anything touches a GPU, so a bad
-argument is reported as such on any machine; each error is a TypeError (wrong dtype or
-type) or ValueError (wrong shape, device, value) whose message names the argument.
+Its inputs are validated here, with the shared checks of podcute/checks.py, before
+anything touches a GPU, so a bad argument is reported as such on any machine, by name.
 run() re-checks only what can change between layers (the tensors), not what plan()
 validated (lengths, page tables).
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 
+from podcute.checks import (DTYPES, FP8_DTYPES, check_aligned_rows, check_dense, check_distinct,
+                            check_head_dim, check_index, check_int, check_layout,
+                            check_out_memory, check_rows_like, check_sm_scale, overlapped,
+                            same_device, scale_tensor)
 from podcute.compile import unsupported_arch_message
-from podcute.kernels.config import (FP8_KV_DTYPES, SUPPORTED_HEAD_DIMS, SUPPORTED_PAGE_SIZES,
-                                    check_fp8_kv)
+from podcute.kernels.config import SUPPORTED_PAGE_SIZES, check_fp8_kv
 from podcute.launch import launch, require_arch, resolve_arch
-from podcute.plan import F32_MAX, F32_TINY, CapacityError, Plan, PlanOptions, Planner, PlanSummary
-from podcute.reuse import CallPlanner
+from podcute.plan import CapacityError, Plan, Planner, PlanSummary
 
-__all__ = ["PODAttention", "pod_attention", "PlanSummary", "CapacityError", "KV_LAYOUTS"]
+__all__ = ["PODAttention", "PlanSummary", "CapacityError"]
 
-KV_LAYOUTS = ("NHD", "HND")
-_DTYPES = (torch.bfloat16, torch.float16)
-# fp8 KV caches (queries and output stay 16-bit): torch dtype -> KernelConfig.kv_dtype.
-_FP8_DTYPES = {getattr(torch, name): name for name in FP8_KV_DTYPES}
-
-
-# --------------------------------------------------------------------------------------
-# Checks
-# --------------------------------------------------------------------------------------
-
-
-def _check_int(name, v, allowed=None, positive=True):
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise TypeError(f"{name} must be an int, got {type(v).__name__}")
-    if allowed is not None and v not in allowed:
-        raise ValueError(f"{name} must be one of {tuple(allowed)}, got {v}")
-    if positive and v < 1:
-        raise ValueError(f"{name} must be >= 1, got {v}")
-
-
-def check_head_dim(head_dim, name: str = "head_dim") -> None:
-    """A head dim podcute compiles, else NotImplementedError (a positive int: a model's
-    head size the kernels lack) or TypeError/ValueError (no head size at all)."""
-    if head_dim in SUPPORTED_HEAD_DIMS and type(head_dim) is int:
-        return
-    if isinstance(head_dim, bool) or not isinstance(head_dim, int):
-        raise TypeError(f"{name} must be an int, got {type(head_dim).__name__}")
-    if head_dim < 1:
-        raise ValueError(f"{name} must be >= 1, got {head_dim}")
-    raise NotImplementedError(f"{name}={head_dim} is not supported by podcute (supported: "
-                              f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))})")
-
-
-def _check_sm_scale(sm_scale, name: str = "sm_scale") -> None:
-    """None or a real number (its value is the planner's to check: a positive float32)."""
-    if sm_scale is not None and (isinstance(sm_scale, bool)
-                                 or not isinstance(sm_scale, (int, float))):
-        raise TypeError(f"{name} must be a float or None, got {type(sm_scale).__name__}")
-
-
-def _check_layout(kv_layout):
-    if kv_layout not in KV_LAYOUTS:
-        raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
-
-
-def _check_index(name, t, device, ndim, length=None, optional=False):
-    """An int32 index tensor on the CPU or on `device` (numpy int32 arrays are accepted:
-    the planner reads them on the host anyway)."""
-    if t is None:
-        if optional:
-            return
-        raise ValueError(f"{name} is required")
-    if isinstance(t, torch.Tensor):
-        if t.layout != torch.strided:
-            raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
-        if t.dtype != torch.int32:
-            raise TypeError(f"{name} must be an int32 tensor, got {t.dtype}")
-        if t.device.type != "cpu" and not _same_device(t.device, device):
-            raise ValueError(f"{name} is on {t.device}; index tensors must be on the CPU or on "
-                             f"the attention's device ({device})")
-        if ndim == 2 and t.dim() == 2 and t.shape[1] > 1 and t.stride(1) != 1:
-            raise ValueError(f"{name} must have a contiguous last dimension, got strides "
-                             f"{tuple(t.stride())}")
-    elif hasattr(t, "dtype") and hasattr(t, "shape"):  # numpy
-        if str(t.dtype) != "int32":
-            raise TypeError(f"{name} must be int32, got {t.dtype}")
-    else:
-        raise TypeError(f"{name} must be an int32 torch.Tensor, got {type(t).__name__}")
-    if len(t.shape) != ndim:
-        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
-    if length is not None and t.shape[0] != length:
-        raise ValueError(f"{name} must have {length} entries along dim 0, got shape "
-                         f"{tuple(t.shape)}")
-
-
-def _check_aligned_rows(*named):
-    """The kernel moves rows in 16-byte pieces (cp.async): every row must start 16-byte
-    aligned, i.e. an aligned data pointer and strides that are multiples of 16 bytes (8
-    elements of a 16-bit tensor, 16 of an fp8 cache)."""
-    for name, t in named:
-        elems = 16 // t.element_size()
-        if t.data_ptr() % 16 or any(s % elems for s in t.stride()[:-1]):
-            raise ValueError(f"{name} rows must be 16-byte aligned: data pointer % 16 == 0 and "
-                             f"strides (except the last) multiples of {elems} elements; got "
-                             f"strides {tuple(t.stride())} and data pointer {t.data_ptr():#x}")
-
-
-def _check_rows_like(name: str, t, q: torch.Tensor, want: tuple, what: str) -> None:
-    """A tensor of rows the kernel moves beside q's: dense, q's dtype and device, shape
-    `want` (described as `what`), a contiguous last dim and 16-byte rows."""
-    _check_dense(name, t)
-    if t.dtype != q.dtype:
-        raise TypeError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
-    if tuple(t.shape) != want:
-        raise ValueError(f"{name} must be {what} = {want}, got {tuple(t.shape)}")
-    if not _same_device(t.device, q.device):
-        raise ValueError(f"{name} is on {t.device}, q on {q.device}")
-    if t.stride(-1) != 1:
-        raise ValueError(f"{name} must have a contiguous last dimension, got strides "
-                         f"{tuple(t.stride())}")
-    _check_aligned_rows((name, t))
-
-
-def _byte_range(ptr: int, shape, stride, elem_size: int) -> tuple[int, int]:
-    """[first, last + 1) byte addresses of the elements of a tensor with this data
-    pointer, shape and strides (torch strides are >= 0); (0, 0) when it is empty."""
-    if 0 in shape:
-        return 0, 0
-    span = 1
-    for n, st in zip(shape, stride):
-        span += (n - 1) * st
-    return ptr, ptr + span * elem_size
-
-
-def _extent(t: torch.Tensor) -> tuple[int, int]:
-    """_byte_range of a tensor."""
-    return _byte_range(t.data_ptr(), t.shape, t.stride(), t.element_size())
-
-
-def _check_dense(name: str, t) -> None:
-    """A tensor argument: a torch.Tensor with a strided (dense) layout."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.layout != torch.strided:
-        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
-
-
-def _check_distinct(t: torch.Tensor, name: str) -> None:
-    """No two elements of an output may share memory (zero or overlapping strides)."""
-    for n, s in zip(t.shape, t.stride()):
-        if n > 1 and s == 0:
-            raise ValueError(f"{name} must not have zero strides (an expanded view), got "
-                             f"strides {tuple(t.stride())}")
-    # Elements are distinct when, with dims ordered by stride, each stride exceeds the span
-    # of all smaller dims (sufficient, and true of every dense or sliced tensor).
-    span = 0
-    dims = sorted(((s, n) for n, s in zip(t.shape, t.stride()) if n > 1))
-    for s, n in dims:
-        if s <= span:
-            raise ValueError(f"{name}'s elements overlap each other (shape {tuple(t.shape)}, "
-                             f"strides {tuple(t.stride())}); pass a non-overlapping buffer")
-        span += (n - 1) * s
-
-
-def _check_out_memory(out: torch.Tensor, named) -> None:
-    """`out` must not write where the kernel reads (q, the caches) and no two of its
-    elements may share memory (zero or overlapping strides)."""
-    _check_distinct(out, "out")
-    name = _overlapped(out, named)
-    if name is not None:
-        raise ValueError(f"out overlaps {name} in memory; the kernel reads {name} while it "
-                         "writes out, so out must be a separate buffer (not q itself)")
-
-
-def _overlapped(out: torch.Tensor, named):
-    """The name of the first (name, tensor) whose byte range meets out's, or None."""
-    lo, hi = _extent(out)
-    for name, t in named:
-        tlo, thi = _extent(t)
-        if lo < thi and tlo < hi:
-            return name
-    return None
-
-
-def _scale_tensor(name: str, scale, num_kv_heads: int, device, cache: dict):
-    """An fp8 cache's dequantisation scale as the float32 [1] or [Hkv] device tensor the
-    kernel reads: a Python float (finite, > 0) becomes a cached one-element tensor; a
-    float32 tensor of shape [], [1] or [Hkv] on the attention's device is used as it is
-    (its values stay on the device: an engine may change them between graph replays,
-    and they are not checked here, which would cost a device sync)."""
-    if scale is None:
-        scale = 1.0
-    if isinstance(scale, torch.Tensor):
-        _check_dense(name, scale)
-        if scale.dtype != torch.float32:
-            raise TypeError(f"{name} must be float32, got {scale.dtype}")
-        if scale.dim() > 1 or scale.numel() not in (1, num_kv_heads):
-            raise ValueError(f"{name} must be a float or a float32 tensor of shape [], [1] or "
-                             f"[num_kv_heads] = [{num_kv_heads}], got shape {tuple(scale.shape)}")
-        if not _same_device(scale.device, device):
-            raise ValueError(f"{name} is on {scale.device}; it must be on {device} (or a float)")
-        flat = scale.reshape(-1)
-        if flat.numel() > 1 and flat.stride(0) != 1:
-            raise ValueError(f"{name} must be contiguous, got stride {flat.stride(0)}")
-        if flat.data_ptr() % 4:
-            raise ValueError(f"{name} must be 4-byte aligned, got data pointer "
-                             f"{flat.data_ptr():#x}")
-        return flat
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"{name} must be a float or a float32 tensor, got {type(scale).__name__}")
-    try:
-        scale = float(scale)
-    except OverflowError:  # an int past float64
-        scale = math.inf
-    if not F32_TINY <= scale <= F32_MAX:  # the kernel's float32, no subnormal (fast math)
-        raise ValueError(f"{name} must be finite and > 0, a normal float32 (1.2e-38 .. "
-                         f"3.4e38), got {scale}")
-    hit = cache.get(scale)
-    if hit is None:
-        # (a fill kernel, not a host copy: it may run under CUDA-graph capture, where it is
-        # captured too; only tensors made outside a capture are kept for later calls)
-        hit = torch.full((1,), scale, dtype=torch.float32, device=device)
-        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if not capturing and len(cache) < 256:
-            cache[scale] = hit
-    return hit
-
-
-def _same_device(a: torch.device, b: torch.device) -> bool:
-    if a == b:
-        return True
-    if a.type != b.type:
-        return False
-    if a.type != "cuda":
-        return True
-    ia = a.index if a.index is not None else torch.cuda.current_device()
-    ib = b.index if b.index is not None else torch.cuda.current_device()
-    return ia == ib
 
 
 # --------------------------------------------------------------------------------------
@@ -266,27 +47,27 @@ class PODAttention:
                  device="cuda", max_batch_size: int = 256, max_num_tokens: int = 16384,
                  max_num_pages: int | None = None, kv_dtype: torch.dtype | None = None,
                  arch: str | None = None):
-        _check_int("num_qo_heads", num_qo_heads)
-        _check_int("num_kv_heads", num_kv_heads)
+        check_int("num_qo_heads", num_qo_heads)
+        check_int("num_kv_heads", num_kv_heads)
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of "
                              f"num_kv_heads ({num_kv_heads})")
         check_head_dim(head_dim)
-        _check_int("page_size", page_size, SUPPORTED_PAGE_SIZES)
-        _check_int("max_batch_size", max_batch_size)
-        _check_int("max_num_tokens", max_num_tokens)
+        check_int("page_size", page_size, SUPPORTED_PAGE_SIZES)
+        check_int("max_batch_size", max_batch_size)
+        check_int("max_num_tokens", max_num_tokens)
         if max_num_pages is not None:
-            _check_int("max_num_pages", max_num_pages)
-        if dtype not in _DTYPES:
+            check_int("max_num_pages", max_num_pages)
+        if dtype not in DTYPES:
             raise TypeError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
         if kv_dtype is None:
             kv_dtype = dtype
-        if kv_dtype != dtype and kv_dtype not in _FP8_DTYPES:
+        if kv_dtype != dtype and kv_dtype not in FP8_DTYPES:
             raise TypeError(f"kv_dtype must be None, dtype ({dtype}) or an fp8 type "
                             f"(torch.float8_e4m3fn, torch.float8_e5m2), got {kv_dtype}")
-        if kv_dtype in _FP8_DTYPES:
-            check_fp8_kv(head_dim, _FP8_DTYPES[kv_dtype])
-        _check_layout(kv_layout)
+        if kv_dtype in FP8_DTYPES:
+            check_fp8_kv(head_dim, FP8_DTYPES[kv_dtype])
+        check_layout(kv_layout)
         if not isinstance(device, (str, int, torch.device)):
             raise TypeError(f"device must be a str, int or torch.device, got "
                             f"{type(device).__name__}")
@@ -310,7 +91,7 @@ class PODAttention:
         self.head_dim, self.page_size = head_dim, page_size
         self.dtype, self.kv_layout, self.device = dtype, kv_layout, device
         self.kv_dtype = kv_dtype
-        self.fp8 = kv_dtype in _FP8_DTYPES
+        self.fp8 = kv_dtype in FP8_DTYPES
         # run()'s one-pass check: cache element bytes, and the stride mask of 16-byte rows
         self._kv_elem = 1 if self.fp8 else 2
         self._kv_stride_mask = 16 // self._kv_elem - 1
@@ -319,7 +100,7 @@ class PODAttention:
                                max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
                                max_num_pages=max_num_pages,
                                dtype=str(dtype).replace("torch.", ""),
-                               kv_dtype=_FP8_DTYPES.get(kv_dtype, ""), arch=self.arch)
+                               kv_dtype=FP8_DTYPES.get(kv_dtype, ""), arch=self.arch)
         self._plan: Plan | None = None
         self._device_ok = False  # run()'s require_arch passed (it cannot fail later)
         self._page_arg = "block_table"
@@ -391,28 +172,28 @@ class PODAttention:
         """Every plan() argument check, each raising a TypeError/ValueError that names the
         argument (the values are the planner's to check)."""
         dev = self.device
-        _check_index("cu_seqlens_q", cu_seqlens_q, dev, 1)
+        check_index("cu_seqlens_q", cu_seqlens_q, dev, 1)
         B = cu_seqlens_q.shape[0] - 1
         if B < 0:
             raise ValueError("cu_seqlens_q must have B+1 >= 1 entries, got 0")
         if (kv_lens is None) == (last_page_len is None):
             raise ValueError(f"pass exactly one of {_kv_name} or last_page_len")
-        _check_index(_kv_name, kv_lens, dev, 1, B, optional=True)
-        _check_index("last_page_len", last_page_len, dev, 1, B, optional=True)
+        check_index(_kv_name, kv_lens, dev, 1, B, optional=True)
+        check_index("last_page_len", last_page_len, dev, 1, B, optional=True)
         csr = kv_indptr is not None or kv_indices is not None
         if (block_table is not None) == csr:
             raise ValueError("pass exactly one page format: block_table, or kv_indptr and "
                              "kv_indices")
         if csr:
-            _check_index("kv_indptr", kv_indptr, dev, 1, B + 1)
-            _check_index("kv_indices", kv_indices, dev, 1)
+            check_index("kv_indptr", kv_indptr, dev, 1, B + 1)
+            check_index("kv_indices", kv_indices, dev, 1)
         else:
-            _check_index("block_table", block_table, dev, 2, B)
+            check_index("block_table", block_table, dev, 2, B)
         if last_page_len is not None and not csr:
             raise ValueError("last_page_len needs the CSR page format (kv_indptr, kv_indices)")
         if not isinstance(causal, bool):
             raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-        _check_sm_scale(sm_scale)  # (its value is the planner's to check)
+        check_sm_scale(sm_scale)  # (its value is the planner's to check)
 
     def _common_case(self, plan: Plan, q, k_cache, v_cache, out) -> bool:
         """True if the run() arguments are valid: right types, dtypes, device, shapes,
@@ -471,7 +252,7 @@ class PODAttention:
         argument and what was expected."""
         Hq, Hkv, D, ps = self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size
         for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-            _check_dense(name, t)
+            check_dense(name, t)
         if q.dtype != self.dtype:
             raise TypeError(f"q must be {self.dtype} (this PODAttention's dtype), got {q.dtype}")
         if k_cache.dtype != self.kv_dtype or v_cache.dtype != self.kv_dtype:
@@ -479,9 +260,9 @@ class PODAttention:
                     "q's dtype (pass kv_dtype= to PODAttention for an fp8 cache)")
             raise TypeError(f"k_cache and v_cache must be {self.kv_dtype} ({what}), got "
                             f"{k_cache.dtype} and {v_cache.dtype}")
-        if not _same_device(q.device, self.device):
+        if not same_device(q.device, self.device):
             raise ValueError(f"q is on {q.device} but this PODAttention plans for {self.device}")
-        if not (_same_device(k_cache.device, q.device) and _same_device(v_cache.device, q.device)):
+        if not (same_device(k_cache.device, q.device) and same_device(v_cache.device, q.device)):
             raise ValueError(f"q, k_cache and v_cache must be on one device, got {q.device}, "
                              f"{k_cache.device} and {v_cache.device}")
         if q.dim() != 3 or q.shape[1] != Hq or q.shape[2] != D:
@@ -506,12 +287,12 @@ class PODAttention:
             if t.stride(-1) != 1:
                 raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got "
                                  f"strides {tuple(t.stride())}")
-        _check_aligned_rows(("q", q), ("k_cache", k_cache), ("v_cache", v_cache))
+        check_aligned_rows(("q", q), ("k_cache", k_cache), ("v_cache", v_cache))
         # Security boundary: no request may read outside the pool (O(1) in the usual case).
         plan.check_pages(k_cache.shape[0], self._page_arg)
         if out is not None:
-            _check_rows_like("out", out, q, tuple(q.shape), "[total_q, Hq, D]")
-            _check_out_memory(out, (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)))
+            check_rows_like("out", out, q, tuple(q.shape), "[total_q, Hq, D]")
+            check_out_memory(out, (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)))
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             out: torch.Tensor | None = None, return_lse: bool = False,
@@ -560,9 +341,9 @@ class PODAttention:
         if sinks is not None:
             self._check_sinks(sinks, q)
         if self.fp8:
-            k_scale = _scale_tensor("k_scale", k_scale, self.num_kv_heads, self.device,
+            k_scale = scale_tensor("k_scale", k_scale, self.num_kv_heads, self.device,
                                     self._scales)
-            v_scale = _scale_tensor("v_scale", v_scale, self.num_kv_heads, self.device,
+            v_scale = scale_tensor("v_scale", v_scale, self.num_kv_heads, self.device,
                                     self._scales)
         elif k_scale is not None or v_scale is not None:
             raise ValueError("k_scale and v_scale are for fp8 KV caches only (this "
@@ -595,19 +376,19 @@ class PODAttention:
         want = (1, int(plan.kv_lens[0]) if plan.batch_size else 0, self.num_kv_heads,
                 self.head_dim)
         for name, t in zip(("ragged k", "ragged v"), ragged_kv):
-            _check_rows_like(name, t, q, want, "[1, kv_len of request 0, Hkv, D]")
+            check_rows_like(name, t, q, want, "[1, kv_len of request 0, Hkv, D]")
 
     def _check_sinks(self, sinks, q) -> None:
         """sinks: a float32 [Hq] tensor on q's device with unit stride (its values, like
         q's, are the caller's: -inf is a sink that weighs nothing)."""
-        _check_dense("sinks", sinks)
+        check_dense("sinks", sinks)
         if sinks.dtype != torch.float32:
             raise TypeError(f"sinks must be float32 (one logit per query head), got "
                             f"{sinks.dtype}")
         if tuple(sinks.shape) != (self.num_qo_heads,):
             raise ValueError(f"sinks must be [num_qo_heads] = [{self.num_qo_heads}], got shape "
                              f"{tuple(sinks.shape)}")
-        if not _same_device(sinks.device, q.device):
+        if not same_device(sinks.device, q.device):
             raise ValueError(f"sinks is on {sinks.device}, q on {q.device}")
         if self.num_qo_heads > 1 and sinks.stride(0) != 1:
             raise ValueError(f"sinks must be contiguous (stride 1), got stride {sinks.stride(0)}")
@@ -618,175 +399,21 @@ class PODAttention:
     def _check_lse(self, lse, q, k_cache, v_cache, out) -> None:
         """A caller-given lse: float32 [q.shape[0], Hq] on q's device, distinct elements,
         not overlapping what the kernel reads or writes."""
-        _check_dense("lse", lse)
+        check_dense("lse", lse)
         if lse.dtype != torch.float32:
             raise TypeError(f"lse must be float32, got {lse.dtype}")
         want = (q.shape[0], self.num_qo_heads)
         if tuple(lse.shape) != want:
             raise ValueError(f"lse must be [total_q, num_qo_heads] = {want}, got "
                              f"{tuple(lse.shape)}")
-        if not _same_device(lse.device, q.device):
+        if not same_device(lse.device, q.device):
             raise ValueError(f"lse is on {lse.device}, q on {q.device}")
         if lse.data_ptr() % 4:
             raise ValueError(f"lse must be 4-byte aligned, got data pointer {lse.data_ptr():#x}")
         named = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
         if out is not None:
             named.append(("out", out))
-        _check_distinct(lse, "lse")
-        name = _overlapped(lse, named)
+        check_distinct(lse, "lse")
+        name = overlapped(lse, named)
         if name is not None:
             raise ValueError(f"lse overlaps {name} in memory; pass a separate buffer")
-
-
-# --------------------------------------------------------------------------------------
-# One-shot
-# --------------------------------------------------------------------------------------
-
-# (configuration, plan scalars) -> (PODAttention, CallPlanner): the one-shot entry points
-# (pod_attention, podcute.compat) share one attention per head/page configuration,
-# device and plan scalars (causal, scale, window, softcap, ...). Layers of different kinds
-# (sliding-window and full layers) thus keep a plan each, and a CUDA graph of a whole
-# step captures each kind's launches over its own buffers.
-_ONE_SHOT: dict = {}
-
-
-# What one_shot_for() saw (q's and the cache's dims, dtypes, device, layout, scalars) ->
-# the one_shot_attention() it returned: a layer's call of a configuration seen before
-# skips the checks (run() checks every tensor anyway).
-_ONE_SHOT_FOR: dict = {}
-
-
-def one_shot_attention(num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
-                       dtype: torch.dtype, kv_layout: str, device,
-                       kv_dtype: torch.dtype | None = None, scalars: tuple = ()) -> tuple:
-    """The (PODAttention, CallPlanner) the one-shot entry points use for a configuration
-    and the plan scalars of a call (hashable; the entry point's own tuple)."""
-    kv_dtype = dtype if kv_dtype is None else kv_dtype
-    key = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype, kv_layout, device, kv_dtype,
-           scalars)
-    hit = _ONE_SHOT.get(key)
-    if hit is None:
-        att = PODAttention(num_qo_heads, num_kv_heads, head_dim, page_size, dtype=dtype,
-                           kv_layout=kv_layout, device=device, kv_dtype=kv_dtype)
-        hit = _ONE_SHOT[key] = (att, CallPlanner(att))
-    return hit
-
-
-def one_shot_for(q, k_cache, v_cache, kv_layout: str, *, where: str = "",
-                 names: tuple = ("q", "k_cache", "v_cache"), scalars: tuple = ()) -> tuple:
-    """one_shot_attention() of the configuration a call's tensors imply: q [T, Hq, D] and
-    4-D caches in `kv_layout`, each check a named error before anything is planned.
-    `where` prefixes the messages and `names` are what the caller calls q and the caches;
-    `scalars` (hashable, validated by the caller) pick the attention of a kind of layer."""
-    try:
-        qn, kn = q.shape, k_cache.shape
-        memo = (len(qn), qn[1], qn[2], len(kn), kn[1], kn[2], kn[3], q.dtype, k_cache.dtype,
-                q.device, kv_layout, scalars)
-        hit = _ONE_SHOT_FOR.get(memo)
-    except (AttributeError, IndexError, TypeError):
-        memo = hit = None
-    if (hit is not None and type(q) is torch.Tensor and type(k_cache) is torch.Tensor
-            and type(v_cache) is torch.Tensor):
-        return hit
-    q_name, k_name, _ = names
-    for name, t in zip(names, (q, k_cache, v_cache)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{where}{name} must be a torch.Tensor, got {type(t).__name__}")
-    if q.dim() != 3:
-        raise ValueError(f"{where}{q_name} must be [total_q, num_qo_heads, head_dim], got "
-                         f"shape {tuple(q.shape)}")
-    if k_cache.dim() != 4:
-        raise ValueError(f"{where}{k_name} must be 4-D ({kv_layout}), got shape "
-                         f"{tuple(k_cache.shape)}")
-    if q.dtype not in _DTYPES:
-        raise TypeError(f"{where}{q_name} must be torch.bfloat16 or torch.float16, got {q.dtype}")
-    Hq, D = q.shape[1], q.shape[2]
-    page_dim = 1 if kv_layout == "NHD" else 2
-    ps, Hkv = k_cache.shape[page_dim], k_cache.shape[3 - page_dim]
-    if Hq < 1:
-        raise ValueError(f"{where}{q_name} must have >= 1 query heads ({q_name}.shape[1]), got "
-                         f"shape {tuple(q.shape)}")
-    if Hkv < 1:
-        raise ValueError(f"{where}{k_name} must have >= 1 KV heads, got shape "
-                         f"{tuple(k_cache.shape)} ({kv_layout})")
-    if k_cache.shape[3] != D:
-        raise ValueError(f"{where}{k_name} head_dim {k_cache.shape[3]} differs from "
-                         f"{q_name}'s {D}")
-    if Hq % Hkv:
-        raise ValueError(f"{where}{q_name}'s {Hq} heads must be a multiple of {k_name}'s {Hkv} "
-                         "KV heads")
-    check_head_dim(D, f"{where}head_dim ({q_name}.shape[2])")
-    if ps not in SUPPORTED_PAGE_SIZES:
-        raise ValueError(f"{where}page_size ({k_name}.shape[{page_dim}]) must be one of "
-                         f"{SUPPORTED_PAGE_SIZES}, got {ps}")
-    # An fp8 cache selects fp8 variants (PODAttention checks the head dim); any other
-    # cache dtype is run()'s to refuse.
-    kv_dtype = k_cache.dtype if k_cache.dtype in _FP8_DTYPES else None
-    hit = one_shot_attention(Hq, Hkv, D, ps, q.dtype, kv_layout, q.device, kv_dtype, scalars)
-    if memo is not None:
-        _ONE_SHOT_FOR[memo] = hit
-    return hit
-
-
-def pod_attention(q, k_cache, v_cache, *, cu_seqlens_q, seqused_k, block_table, causal=True,
-                  sm_scale=None, kv_layout="NHD", return_lse=False, out=None,
-                  window_size=(-1, -1), softcap=0.0, sinks=None, batch_invariant=False,
-                  k_scale=None, v_scale=None):
-    """One call: plan + run (FlashAttention-style arguments; `window_size`, `softcap`,
-    `sinks`, `batch_invariant`, and for fp8 caches `k_scale`/`v_scale`, as
-    PODAttention.plan/run). A later call reuses the plan only while its index tensors
-    live on the CPU (or are NumPy arrays) and hold the same values (``podcute.reuse``:
-    per layer of a step only the first call plans); index tensors on the device plan
-    every call (one device->host copy): keep them on the CPU, or use PODAttention's
-    plan()/run() to name the plan yourself."""
-    window = tuple(window_size) if isinstance(window_size, (tuple, list)) else window_size
-    index = (cu_seqlens_q, seqused_k, block_table)
-    scalars = (causal, sm_scale, window, softcap, batch_invariant)
-    hit = one_shot_fast(_LAST_POD, (kv_layout, scalars), index, scalars, q, k_cache, v_cache,
-                        out)
-    if hit is not None:
-        return hit._run_checked(hit._plan, q, k_cache, v_cache, out, return_lse, None, sinks,
-                                k_scale, v_scale)
-    _check_layout(kv_layout)
-    options = PlanOptions.make(causal, window, softcap, batch_invariant)  # named errors
-    _check_sm_scale(sm_scale)
-    scalars = (causal, sm_scale, (options.window_left, options.window_right), softcap,
-               batch_invariant)
-    att, planner = one_shot_for(q, k_cache, v_cache, kv_layout, where="pod_attention: ",
-                                scalars=scalars)
-    planner.plan(index, scalars,
-                 lambda: att.plan(cu_seqlens_q, seqused_k, block_table=block_table,
-                                  causal=causal, sm_scale=sm_scale, window_size=window,
-                                  softcap=softcap, batch_invariant=batch_invariant,
-                                  _kv_name="seqused_k"),
-                 where="pod_attention: ")
-    res = att.run(q, k_cache, v_cache, out=out, return_lse=return_lse, sinks=sinks,
-                  k_scale=k_scale, v_scale=v_scale)
-    _LAST_POD[(kv_layout, scalars)] = (att, planner)
-    return res
-
-
-# (kv_layout, scalars) -> the (PODAttention, CallPlanner) of pod_attention's last call
-# of that kind that launched.
-_LAST_POD: dict = {}
-
-
-def one_shot_fast(last: dict, slot, index: tuple, scalars: tuple, q, k_cache, v_cache, out):
-    """The per-layer path of a one-shot entry point: the PODAttention of the entry point's
-    last launching call (`last[slot]`) if its plan serves this call's metadata
-    (CallPlanner.reuses) and the tensors pass that attention's run() checks, which fix the
-    configuration (q's and the caches' dims, dtypes and device) as one_shot_for() would
-    find it; else None, and the caller takes the full path. `slot` must tell apart what
-    the tensors' shapes cannot (the cache layout)."""
-    try:
-        hit = last.get(slot)
-    except TypeError:  # an unhashable slot: the full path names the bad argument
-        return None
-    if hit is None:
-        return None
-    att, planner = hit
-    if (planner.reuses(index, scalars)
-            and att._common_case(att._plan, q, k_cache, v_cache, out)):
-        return att
-    return None
-

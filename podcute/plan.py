@@ -154,7 +154,7 @@ class CostModel:
     # The warp-level kernel pairs each SM's two CTAs by kind (`Planner._group_kinds`) only
     # on a chip with fewer HBM bytes per SM clock than this (`chip_hbm_bytes_per_sm_clock`):
     # on an H100 (12.8) that made the mixed batches 2-6 % faster, on the H200 (18.8)
-    # 1-4 % slower (docs/performance.md, "twenty-sixth session").
+    # 1-4 % slower (docs/notes/sm-pairing.md, measured 2026-12-05 on f7fa1d6).
     pair_kinds_below_bytes_per_sm_clock: float = 16.0
 
     def for_kernel(self, kernel) -> "CostModel":
@@ -531,7 +531,7 @@ def capacities(max_batch_size, max_num_tokens, max_num_pages, num_qo_heads, num_
 # --------------------------------------------------------------------------------------
 
 
-def _host_arrays(named: dict) -> dict:
+def host_arrays(named: dict) -> dict:
     """numpy copies of the index inputs; GPU tensors are gathered with one copy."""
     out, on_gpu = {}, []
     for name, x in named.items():
@@ -725,8 +725,8 @@ class Planner:
         # list runs its kinds one after the other (`_group_lists`), lists s prefill first
         # and s + num_sms decode first. The block scheduler puts CTAs 0..num_sms-1 one an
         # SM and the rest on the SMs' second slots in an order of its own
-        # (`perf.exp_sm_pairs`), so either way each SM's two CTAs run different kinds
-        # (taking the lists by %smid instead measured no faster, session 26). Elsewhere
+        # (`perf.experiments.exp_sm_pairs`), so either way each SM's two CTAs run different
+        # kinds (taking the lists by %smid instead measured no faster, 2026-12-05). Elsewhere
         # each list interleaves the kinds, led by the kind its slot wants.
         self.hbm_bytes_per_sm_clock = float(hbm_bytes_per_sm_clock)
         self._group_kinds = (kernel.warp_mma and kernel.ctas_per_sm == 2
@@ -929,7 +929,7 @@ class Planner:
             raise ValueError(f"pass exactly one of {_kv_name} or last_page_len")
         if last_page_len is not None and kv_indptr is None:
             raise ValueError("last_page_len needs the CSR page format (kv_indptr + kv_indices)")
-        h = _host_arrays({"cu_seqlens_q": cu_seqlens_q, _kv_name: kv_lens,
+        h = host_arrays({"cu_seqlens_q": cu_seqlens_q, _kv_name: kv_lens,
                           "block_table": block_table, "kv_indptr": kv_indptr,
                           "kv_indices": kv_indices, "last_page_len": last_page_len})
         # One combined test in the common case; anything off takes the detailed checks,
@@ -937,7 +937,7 @@ class Planner:
         inputs = self._common_inputs(h, _kv_name)
         if inputs is None:
             inputs = self._checked_inputs(h, _kv_name)
-        sm_scale = self._kernel_scale(sm_scale)
+        sm_scale = self.kernel_scale(sm_scale)
         if options.softcap > 0 and not (F32_TINY <= sm_scale / options.softcap
                                         and options.softcap <= F32_MAX):
             # the kernel computes softcap * tanh(s * (sm_scale / softcap)) in float32
@@ -1071,7 +1071,7 @@ class Planner:
             page_src, num_entries = ("csr", indices, indptr), int(indptr[-1] - indptr[0])
         return cu, q_len, kvl, used, total_q, page_src, num_entries
 
-    def _kernel_scale(self, sm_scale) -> float:
+    def kernel_scale(self, sm_scale) -> float:
         """sm_scale as a float (default 1/sqrt(head_dim)); ValueError unless it is a
         positive float32, the kernel's type."""
         if sm_scale is None:

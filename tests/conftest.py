@@ -47,9 +47,8 @@ def launches(monkeypatch):
     (plan, q, k_cache, v_cache, out, lse, keywords) instead of launching."""
     import torch
 
-    from podcute import api
+    from podcute import api, one_shot
     from podcute.compat import flash_attn as fa
-    from podcute.reuse import invalidate_plans
 
     rec = []
     monkeypatch.setattr(api, "require_arch", lambda *a, **kw: None)
@@ -58,10 +57,10 @@ def launches(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
 
     def reset():
-        api._LAST_POD.clear()
+        one_shot._LAST_POD.clear()
         fa._LAST.clear()
-        invalidate_plans()
-        for att, _ in api._ONE_SHOT.values():
+        one_shot.invalidate_plans()
+        for att, _ in one_shot._ONE_SHOT.values():
             att._device_ok = False  # the stub's pass must not outlive it
     reset()
     yield rec

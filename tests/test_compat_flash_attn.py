@@ -1,4 +1,4 @@
-"""podcute.compat.flash_attn and plan reuse (podcute.reuse) on a CPU machine: arguments
+"""podcute.compat.flash_attn and plan reuse (podcute.one_shot) on a CPU machine: arguments
 map onto the right plan, unsupported ones raise naming themselves, and a plan is reused
 exactly while the metadata tensors are the same and unchanged (never after a change)."""
 
@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import podcute
-from podcute import api
+from podcute import one_shot as one_shot_module
 from podcute.compat.flash_attn import flash_attn_varlen_func
-from podcute.reuse import CallPlanner, host_view
+from podcute.one_shot import CallPlanner, host_view
 
 HAS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 pytestmark = pytest.mark.skipif(HAS_HOPPER, reason="CPU-planning paths (run() raises here)")
@@ -35,9 +35,9 @@ POD_SCALARS = (True, None, (-1, -1), 0.0, False)  # pod_attention's defaults
 
 
 def one_shot(page_size=PS, scalars=FA_SCALARS):
-    """The one-shot attention of this configuration and kind of call (podcute.api)."""
-    return api.one_shot_attention(HQ, HKV, D, page_size, torch.bfloat16, "NHD",
-                                  torch.device("cpu"), scalars=scalars)
+    """The one-shot attention of this configuration and kind of call."""
+    return one_shot_module.one_shot_attention(HQ, HKV, D, page_size, torch.bfloat16, "NHD",
+                                              torch.device("cpu"), scalars=scalars)
 
 
 def call(fn, *args, **kw):
@@ -137,7 +137,7 @@ def test_descales_as_vllm_passes_them(monkeypatch):
                   v_descale=scalar.expand(shape))
     assert seen["k_scale"].shape == (HKV,) and seen["k_scale"].data_ptr() == per_head.data_ptr()
     assert seen["v_scale"].shape == (1,) and seen["v_scale"].data_ptr() == scalar.data_ptr()
-    att = api.one_shot_attention(HQ, HKV, D, PS, torch.bfloat16, "NHD", torch.device("cpu"),
+    att = one_shot_module.one_shot_attention(HQ, HKV, D, PS, torch.bfloat16, "NHD", torch.device("cpu"),
                                  kv_dtype=torch.float8_e4m3fn, scalars=FA_SCALARS)[0]
     assert att.current_plan.kv_len.tolist() == [40, 17]
     with pytest.raises(ValueError, match="k_descale"):
@@ -354,7 +354,7 @@ def test_layer_path_finds_each_configuration(launches):
     pod_call(b)
     wide = dict(b, q=torch.randn(21, 2 * HQ, D, dtype=torch.bfloat16))
     pod_call(wide)
-    att_wide = api.one_shot_attention(2 * HQ, HKV, D, PS, torch.bfloat16, "NHD",
+    att_wide = one_shot_module.one_shot_attention(2 * HQ, HKV, D, PS, torch.bfloat16, "NHD",
                                       torch.device("cpu"), scalars=POD_SCALARS)[0]
     assert launches[-1][0] is att_wide.current_plan and launches[-1][1] is wide["q"]
     pod_call(b)
@@ -369,11 +369,11 @@ def test_layer_path_finds_each_configuration(launches):
               v=torch.randn(8, 16, 16, D, dtype=torch.bfloat16))
     pod_call(sq)
     pod_call(sq, kv_layout="HND")
-    hnd = api.one_shot_attention(16, 16, D, 16, torch.bfloat16, "HND", torch.device("cpu"),
+    hnd = one_shot_module.one_shot_attention(16, 16, D, 16, torch.bfloat16, "HND", torch.device("cpu"),
                                  scalars=POD_SCALARS)[0]
     assert launches[-1][0] is hnd.current_plan
     pod_call(sq)
-    nhd = api.one_shot_attention(16, 16, D, 16, torch.bfloat16, "NHD", torch.device("cpu"),
+    nhd = one_shot_module.one_shot_attention(16, 16, D, 16, torch.bfloat16, "NHD", torch.device("cpu"),
                                  scalars=POD_SCALARS)[0]
     assert launches[-1][0] is nhd.current_plan and nhd is not hnd
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import podcute
-from podcute import api, reuse
+from podcute import checks, one_shot
 from podcute.compat.flash_attn import (flash_attn2_varlen_func, flash_attn4_varlen_func,
                                        flash_attn_varlen_func, flash_attn_varlen_plan)
 from podcute.compat.flashinfer import BatchAttention, PODWithPagedKVCacheWrapper
@@ -171,7 +171,7 @@ def test_capture_never_plans(launches, monkeypatch):
     naming the handle; one that reuses by value launches."""
     b = batch()
     fa_call(b)
-    monkeypatch.setattr(reuse, "capturing", lambda: True)
+    monkeypatch.setattr(one_shot, "capturing", lambda: True)
     fa_call(b)  # same values: reused
     b["kvl"].numpy()[1] = 30
     with pytest.raises(RuntimeError, match="scheduler_metadata"):
@@ -254,7 +254,7 @@ def test_scales_and_caps_the_kernel_cannot_hold_are_named():
         att.plan(b["cu"], b["kvl"], block_table=b["bt"], softcap=1e39)
     for bad in (1e-50, 1e39, 10**400, 0.0, float("nan")):
         with pytest.raises(ValueError, match="k_scale"):
-            api._scale_tensor("k_scale", bad, HKV, torch.device("cpu"), {})
+            checks.scale_tensor("k_scale", bad, HKV, torch.device("cpu"), {})
 
 
 def test_causal_with_more_queries_than_keys_plans():

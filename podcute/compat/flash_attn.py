@@ -28,7 +28,7 @@ Every keyword of those versions is accepted (``block_table``/``page_table``,
 ``softmax_lse`` is [Hq, total_q] float32 (natural log; FlashAttention's varlen layout;
 rows of padding tokens past ``cu_seqlens_q[-1]`` are left unwritten).
 
-Plan reuse (``podcute.reuse``): a call reuses the last plan only when its index tensors
+Plan reuse (``podcute.one_shot``): a call reuses the last plan only when its index tensors
 are on the CPU and hold the same values, or when it names the plan: pass
 ``scheduler_metadata=flash_attn_varlen_plan(...)`` (FlashAttention 3's argument), made once
 per step with the step's metadata. Index tensors on the device without that handle plan
@@ -53,9 +53,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from podcute.api import _check_sm_scale, one_shot_fast, one_shot_for
+from podcute.checks import check_sm_scale
+from podcute.one_shot import StepPlan, one_shot_fast, one_shot_for
 from podcute.plan import PlanOptions
-from podcute.reuse import StepPlan, capturing
 
 __all__ = ["flash_attn_varlen_func", "flash_attn_varlen_plan", "flash_attn2_varlen_func",
            "flash_attn3_varlen_func", "flash_attn4_varlen_func", "ORDERS", "StepPlan"]
@@ -353,7 +353,7 @@ def _run_named(q, k, v, a: dict, handle: StepPlan, want_lse: bool):
 
 def _run_one_shot(q, k, v, a: dict, want_lse: bool):
     """A call without a named plan: the per-layer path when the last paged call's plan
-    serves it (podcute.reuse), else the argument mapping and plan()."""
+    serves it (podcute.one_shot), else the argument mapping and plan()."""
     bt, seqused_k, causal = a["block_table"], a["seqused_k"], a["causal"]
     if (bt is not None and seqused_k is not None and a["cu_seqlens_k"] is None
             and type(a["max_seqlen_q"]) is int and type(a["max_seqlen_k"]) is int
@@ -429,7 +429,7 @@ class _Call:
         self._index_args, self._plan_fn = index_args, plan_fn
 
     def plan(self):
-        """Plan (or reuse the plan of the same metadata: podcute.reuse); the attention."""
+        """Plan (or reuse the plan of the same metadata: podcute.one_shot); the attention."""
         self.planner.plan(self._index_args, self.scalars, self._plan_fn, _WHERE)
         return self.att
 
@@ -453,7 +453,7 @@ class _Call:
         _check_tensor("q", q, 3)
         if not isinstance(causal, bool):
             raise TypeError(f"{_WHERE}causal must be a bool, got {type(causal).__name__}")
-        _check_sm_scale(a["softmax_scale"], "softmax_scale")
+        check_sm_scale(a["softmax_scale"], "softmax_scale")
         options = PlanOptions.make(causal, window, softcap)  # named errors before any plan
         scalars = (causal, a["softmax_scale"], (options.window_left, options.window_right),
                    softcap)

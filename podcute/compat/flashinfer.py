@@ -57,7 +57,6 @@ causal for one query token per request.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import re
 from types import SimpleNamespace
@@ -65,9 +64,10 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from podcute.api import (_DTYPES, _FP8_DTYPES, KV_LAYOUTS, PODAttention, _check_index,
-                         _check_int, _same_device, _scale_tensor)
-from podcute.plan import CapacityError, _host_arrays
+from podcute.api import PODAttention
+from podcute.checks import (DTYPES, FP8_DTYPES, KV_LAYOUTS, check_index, check_int,
+                            renamed_errors, same_device, scale_tensor)
+from podcute.plan import CapacityError, host_arrays
 
 __all__ = ["BatchPODWithPagedKVCacheWrapper", "PODWithPagedKVCacheWrapper", "BatchAttention",
            "unpack_paged_kv_cache", "LOG2E"]
@@ -178,10 +178,10 @@ def _plan_dtype(q_data_type, kv_data_type=None, data_type=None) -> tuple:
         kv_data_type = data_type if kv_data_type is None else kv_data_type
     q = _as_dtype("q_data_type", q_data_type)
     kv = q if kv_data_type is None else _as_dtype("kv_data_type", kv_data_type)
-    if q not in _DTYPES:
+    if q not in DTYPES:
         raise NotImplementedError(f"q_data_type={q} is not supported by podcute (supported: "
                                   "torch.bfloat16, torch.float16)")
-    if kv != q and kv not in _FP8_DTYPES:
+    if kv != q and kv not in FP8_DTYPES:
         raise NotImplementedError(f"kv_data_type={kv} with q_data_type={q} is not supported by "
                                   "podcute (supported: q's dtype, torch.float8_e4m3fn, "
                                   "torch.float8_e5m2)")
@@ -211,7 +211,7 @@ def _scales(attn: PODAttention, q_scale, k_scale, v_scale) -> tuple:
         if not math.isfinite(v_scale):
             raise ValueError(f"v_scale must be finite, got {v_scale}")
         return {}, float(v_scale)
-    return {name: _scale_tensor(name, x, attn.num_kv_heads, attn.device, attn._scales)
+    return {name: scale_tensor(name, x, attn.num_kv_heads, attn.device, attn._scales)
             for name, x in (("k_scale", k_scale), ("v_scale", v_scale))}, None
 
 
@@ -230,18 +230,6 @@ def _workspace_device(buf, name="float_workspace_buffer") -> torch.device:
         raise ValueError(f"{name} must be on a CUDA device (or the CPU, to plan on the host "
                          f"only), got {buf.device}")
     return buf.device
-
-
-@contextlib.contextmanager
-def _flashinfer_names(names: dict, note: str = ""):
-    """Re-raise podcute's argument errors under FlashInfer's argument names (+ a note)."""
-    try:
-        yield
-    except (TypeError, ValueError, NotImplementedError) as err:
-        msg = str(err)
-        for ours, theirs in names.items():
-            msg = re.sub(rf"\b{ours}\b", theirs, msg)
-        raise type(err)(msg + note) from err
 
 
 def _capturing() -> bool:
@@ -322,7 +310,7 @@ def _check_q(name, q, attn: PODAttention, rows: int, exact=False) -> None:
     if q.shape[0] < rows or (exact and q.shape[0] != rows):
         raise ValueError(f"{name} has {q.shape[0]} rows; the planned batch has {rows} query "
                          f"tokens{'' if exact else ' (more rows are padding)'}")
-    if not _same_device(q.device, attn.device):
+    if not same_device(q.device, attn.device):
         raise ValueError(f"{name} is on {q.device}, the wrapper on {attn.device} (its "
                          "workspace buffer's device)")
 
@@ -367,11 +355,11 @@ class _Wrapper:
         wrapper from the buffers the caller hands it."""
         for name, v in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
                         (head_dim_name, head_dim), ("page_size", page_size)):
-            _check_int(name, v)
+            check_int(name, v)
         key = (role, num_qo_heads, num_kv_heads, head_dim, page_size, dtype, kv_dtype)
         attn = self._attns.get(key)
         if attn is None:
-            with _flashinfer_names({"head_dim": head_dim_name, "kv_dtype": "kv_data_type"}):
+            with renamed_errors({"head_dim": head_dim_name, "kv_dtype": "kv_data_type"}):
                 attn = PODAttention(num_qo_heads, num_kv_heads, head_dim, page_size,
                                     dtype=dtype, kv_layout=self._kv_layout, device=self.device,
                                     kv_dtype=kv_dtype, **capacities)
@@ -450,7 +438,7 @@ class BatchPODWithPagedKVCacheWrapper(_Wrapper):
         for side, tensors in (("p", (qo_indptr_p, kv_indptr_p, kv_indices_p, last_page_len_p)),
                               ("d", (qo_indptr_d, kv_indptr_d, kv_indices_d, last_page_len_d))):
             named.update(_checked_side(side, tensors, attn.device))
-        h = _host_arrays(named)  # at most one device->host copy
+        h = host_arrays(named)  # at most one device->host copy
         p, d = _side(h, "p"), _side(h, "d")
         if self._captured_rows_p is not None and p.total != self._captured_rows_p:
             raise ValueError(f"qo_indptr_p[-1]={p.total}, but a captured CUDA graph holds "
@@ -481,7 +469,7 @@ class BatchPODWithPagedKVCacheWrapper(_Wrapper):
                 f"{b.num_prefill - 1}, then decode request i as request {b.num_prefill} + i)")
         names = {"cu_seqlens_q": "qo_indptr_p/qo_indptr_d", "kv_indices": "kv_indices_p/_d",
                  "kv_indptr": "kv_indptr_p/_d", "last_page_len": "last_page_len_p/_d"}
-        with _flashinfer_names(names, note):
+        with renamed_errors(names, note):
             self._attn.plan(b.cu, kv_indptr=b.indptr, kv_indices=b.indices,
                             last_page_len=b.last_page_len, causal=causal, sm_scale=b.sm_scale,
                             window_size=b.window)
@@ -578,7 +566,7 @@ class BatchPODWithPagedKVCacheWrapper(_Wrapper):
                 attn = self._attention(role, self._attn.num_qo_heads, self._attn.num_kv_heads,
                                        self._attn.head_dim, self._attn.page_size,
                                        self._attn.dtype, self._attn.kv_dtype)
-                with _flashinfer_names({"cu_seqlens_q": f"qo_indptr_{role[-1]}"}):
+                with renamed_errors({"cu_seqlens_q": f"qo_indptr_{role[-1]}"}):
                     attn.plan(cu, kv_indptr=indptr, kv_indices=indices, last_page_len=last,
                               causal=causal, sm_scale=b.sm_scale, window_size=b.window)
                 sides.append(attn)
@@ -600,12 +588,12 @@ def _checked_side(side: str, tensors, device) -> dict:
     """One side's four index tensors by FlashInfer name, checked: int32 1-D tensors on the
     CPU or `device`, kv_indptr of batch_size + 1 and last_page_len of batch_size entries."""
     names = [f"{n}_{side}" for n in ("qo_indptr", "kv_indptr", "kv_indices", "last_page_len")]
-    _check_index(names[0], tensors[0], device, 1)
+    check_index(names[0], tensors[0], device, 1)
     B = tensors[0].shape[0] - 1
     if B < 0:
         raise ValueError(f"{names[0]} must have batch_size + 1 >= 1 entries, got 0")
     for name, t, length in zip(names[1:], tensors[1:], (B + 1, None, B)):
-        _check_index(name, t, device, 1, length)
+        check_index(name, t, device, 1, length)
     return dict(zip(names, tensors))
 
 
@@ -692,7 +680,7 @@ class PODWithPagedKVCacheWrapper(_Wrapper):
         """Swap the (unused) workspace buffers; they must stay on the wrapper's device."""
         for name, buf in (("float_workspace_buffer", float_workspace_buffer),
                           ("int_workspace_buffer", int_workspace_buffer)):
-            if not _same_device(_workspace_device(buf, name), self.device):
+            if not same_device(_workspace_device(buf, name), self.device):
                 raise ValueError(f"{name} is on {buf.device}; this wrapper plans for "
                                  f"{self.device}")
         self._float_workspace_buffer = float_workspace_buffer
@@ -716,10 +704,10 @@ class PODWithPagedKVCacheWrapper(_Wrapper):
                          max_num_pages=max(len(self._paged_kv_indices_buf), 1))
         attn = self._attention("decode", num_qo_heads, num_kv_heads, head_dim, page_size, dtype,
                                kv_dtype, **sizes)
-        _check_index("last_page_len", last_page_len, attn.device, 1)
+        check_index("last_page_len", last_page_len, attn.device, 1)
         B = last_page_len.shape[0]
-        _check_index("indptr", indptr, attn.device, 1, B + 1)
-        _check_index("indices", indices, attn.device, 1)
+        check_index("indptr", indptr, attn.device, 1, B + 1)
+        check_index("indices", indices, attn.device, 1)
         if self._use_cuda_graph:
             if B != self._fixed_batch_size:
                 raise ValueError(f"batch size {B} (len(last_page_len)) differs from the "
@@ -727,14 +715,14 @@ class PODWithPagedKVCacheWrapper(_Wrapper):
             if len(indices) > len(self._paged_kv_indices_buf):
                 raise ValueError(f"len(indices)={len(indices)} exceeds "
                                  f"paged_kv_indices_buffer's {len(self._paged_kv_indices_buf)}")
-        h = _host_arrays(dict(indptr=indptr, indices=indices, last_page_len=last_page_len))
+        h = host_arrays(dict(indptr=indptr, indices=indices, last_page_len=last_page_len))
         ip = _int32("indptr", h["indptr"])
         # One query token sees its whole KV with or without the causal mask unless it has
         # no KV; plan causal then, so this launch shares the kernel of a causal prefill.
         causal = bool((np.diff(ip) > 0).all())
         indices = _int32("indices", h["indices"])
         last = _int32("last_page_len", h["last_page_len"])
-        with _flashinfer_names({"kv_indptr": "indptr", "kv_indices": "indices"}):
+        with renamed_errors({"kv_indptr": "indptr", "kv_indices": "indices"}):
             attn.plan(np.arange(B + 1, dtype=np.int32), kv_indptr=ip, kv_indices=indices,
                       last_page_len=last, causal=causal, sm_scale=sm_scale, window_size=window)
         self._decode = attn
@@ -827,8 +815,8 @@ class PODWithPagedKVCacheWrapper(_Wrapper):
         without KV beside a causal prefill (causal needs q_len <= kv_len)."""
         decode = self._decode
         plan = decode.current_plan
-        with _flashinfer_names({"sm_scale": "sm_scale_p"}):
-            scale_p = decode.planner._kernel_scale(sm_scale_p)  # (the planner's default)
+        with renamed_errors({"sm_scale": "sm_scale_p"}):
+            scale_p = decode.planner.kernel_scale(sm_scale_p)  # (the planner's default)
         return (not decode.fp8 and kv_len > 0 and scale_p == plan.sm_scale
                 and window_p[0] == plan.options.window_left and (plan.causal or not causal_p))
 
@@ -843,7 +831,7 @@ class PODWithPagedKVCacheWrapper(_Wrapper):
                                decode.head_dim, page, decode.dtype)
         names = {"cu_seqlens_q": "q_p.shape[0]", "kv_indptr": "indptr",
                  "kv_indices": "indices", "sm_scale": "sm_scale_p"}
-        with _flashinfer_names(names):
+        with renamed_errors(names):
             attn.plan(np.concatenate(([0], q_len + np.arange(len(ip)))).astype(np.int32),
                       kv_indptr=np.concatenate(([0], n0 + ip)).astype(np.int32),
                       kv_indices=np.concatenate((np.zeros(n0, np.int32), indices)),
@@ -858,7 +846,7 @@ class PODWithPagedKVCacheWrapper(_Wrapper):
         hq, hkv, d = self._decode.num_qo_heads, self._decode.num_kv_heads, self._decode.head_dim
         if not isinstance(q_p, torch.Tensor):
             raise TypeError(f"q_p must be a torch.Tensor, got {type(q_p).__name__}")
-        if q_p.dtype not in _DTYPES:
+        if q_p.dtype not in DTYPES:
             raise TypeError(f"q_p must be torch.bfloat16 or torch.float16, got {q_p.dtype}")
         if q_p.dim() != 3 or tuple(q_p.shape[1:]) != (hq, d):
             raise ValueError(f"q_p must be [qo_len, num_qo_heads={hq}, head_dim={d}], got "
@@ -892,7 +880,7 @@ class PODWithPagedKVCacheWrapper(_Wrapper):
             n = kv_len // page
             names = {"cu_seqlens_q": "q_p.shape[0]", "kv_lens": "the KV length of k_p",
                      "sm_scale": "sm_scale_p"}
-            with _flashinfer_names(names):
+            with renamed_errors(names):
                 attn.plan(np.array([0, q_p.shape[0]], np.int32), np.array([kv_len], np.int32),
                           kv_indptr=np.array([0, n], np.int32),
                           kv_indices=np.arange(n, dtype=np.int32), causal=causal_p,
@@ -925,8 +913,8 @@ class BatchAttention(_Wrapper):
         ``kv_len_arr[i]`` and pages ``kv_indices[kv_indptr[i]:kv_indptr[i+1]]``."""
         _check_features(use_profiler=use_profiler)
         softcap = _softcap("logits_soft_cap", logits_soft_cap)
-        _check_int("head_dim_qk", head_dim_qk)
-        _check_int("head_dim_vo", head_dim_vo)
+        check_int("head_dim_qk", head_dim_qk)
+        check_int("head_dim_vo", head_dim_vo)
         if head_dim_vo != head_dim_qk:
             raise NotImplementedError(f"head_dim_vo={head_dim_vo} with head_dim_qk="
                                       f"{head_dim_qk} is not supported by podcute (supported: "
@@ -935,7 +923,7 @@ class BatchAttention(_Wrapper):
         self._attn = None
         attn = self._attention("batch", num_qo_heads, num_kv_heads, head_dim_qk, page_size,
                                dtype, kv_dtype, head_dim_name="head_dim_qk")
-        with _flashinfer_names({"cu_seqlens_q": "qo_indptr"}):
+        with renamed_errors({"cu_seqlens_q": "qo_indptr"}):
             attn.plan(qo_indptr, kv_len_arr, kv_indptr=kv_indptr, kv_indices=kv_indices,
                       causal=causal, sm_scale=sm_scale, softcap=softcap, _kv_name="kv_len_arr")
         self._attn = attn
