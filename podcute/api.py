@@ -12,11 +12,11 @@ from __future__ import annotations
 import torch
 
 from podcute.checks import (DTYPES, FP8_DTYPES, check_aligned_rows, check_dense, check_distinct,
-                            check_head_dim, check_index, check_int, check_layout,
+                            check_head_dim, check_index, check_int, check_layout, check_page_size,
                             check_out_memory, check_rows_like, check_sm_scale, overlapped,
                             same_device, scale_tensor)
 from podcute.compile import unsupported_arch_message
-from podcute.kernels.config import SUPPORTED_PAGE_SIZES, check_fp8_kv
+from podcute.kernels.config import check_fp8_kv
 from podcute.launch import launch, require_arch, resolve_arch
 from podcute.plan import CapacityError, Plan, Planner, PlanSummary
 
@@ -53,7 +53,7 @@ class PODAttention:
             raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of "
                              f"num_kv_heads ({num_kv_heads})")
         check_head_dim(head_dim)
-        check_int("page_size", page_size, SUPPORTED_PAGE_SIZES)
+        check_page_size(page_size)
         check_int("max_batch_size", max_batch_size)
         check_int("max_num_tokens", max_num_tokens)
         if max_num_pages is not None:

@@ -11,11 +11,11 @@ import re
 
 import torch
 
-from podcute.kernels.config import FP8_KV_DTYPES, SUPPORTED_HEAD_DIMS
+from podcute.kernels.config import FP8_KV_DTYPES, SUPPORTED_HEAD_DIMS, SUPPORTED_PAGE_SIZES
 from podcute.plan import F32_MAX, F32_TINY
 
 __all__ = ["KV_LAYOUTS", "DTYPES", "FP8_DTYPES", "check_int", "check_head_dim", "check_sm_scale",
-           "check_layout", "check_index", "check_aligned_rows", "check_rows_like",
+           "check_page_size", "check_layout", "check_index", "check_aligned_rows", "check_rows_like",
            "check_dense", "check_distinct", "check_out_memory", "overlapped", "byte_range",
            "extent", "scale_tensor", "same_device", "renamed_errors"]
 
@@ -45,6 +45,20 @@ def check_head_dim(head_dim, name: str = "head_dim") -> None:
         raise ValueError(f"{name} must be >= 1, got {head_dim}")
     raise NotImplementedError(f"{name}={head_dim} is not supported by podcute (supported: "
                               f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))})")
+
+
+def check_page_size(page_size, name: str = "page_size") -> None:
+    """A page size podcute compiles (SUPPORTED_PAGE_SIZES), else NotImplementedError (a
+    positive int: a page size engines may use, e.g. FlashAttention 2's 512) or
+    TypeError/ValueError (no page size at all)."""
+    if page_size in SUPPORTED_PAGE_SIZES and type(page_size) is int:
+        return
+    if isinstance(page_size, bool) or not isinstance(page_size, int):
+        raise TypeError(f"{name} must be an int, got {type(page_size).__name__}")
+    if page_size < 1:
+        raise ValueError(f"{name} must be >= 1, got {page_size}")
+    raise NotImplementedError(f"{name}={page_size} is not supported by podcute (supported: "
+                              f"{', '.join(map(str, SUPPORTED_PAGE_SIZES))})")
 
 
 def check_sm_scale(sm_scale, name: str = "sm_scale") -> None:

@@ -29,8 +29,8 @@ import numpy as np
 import torch
 
 from podcute.api import PODAttention
-from podcute.checks import DTYPES, FP8_DTYPES, check_head_dim, check_layout, check_sm_scale
-from podcute.kernels.config import SUPPORTED_PAGE_SIZES
+from podcute.checks import (DTYPES, FP8_DTYPES, check_head_dim, check_layout, check_page_size,
+                            check_sm_scale)
 from podcute.plan import PlanOptions
 
 __all__ = ["pod_attention", "one_shot_attention", "one_shot_for", "one_shot_fast",
@@ -228,6 +228,10 @@ def one_shot_for(q, k_cache, v_cache, kv_layout: str, *, where: str = "",
         raise ValueError(f"{where}{k_name} must be 4-D ({kv_layout}), got shape "
                          f"{tuple(k_cache.shape)}")
     if q.dtype not in DTYPES:
+        if q.dtype in FP8_DTYPES:
+            raise NotImplementedError(f"{where}fp8 queries ({q_name} {q.dtype}) are not "
+                                      "supported by podcute (supported: bf16/fp16 queries, "
+                                      "also over an fp8 KV cache)")
         raise TypeError(f"{where}{q_name} must be torch.bfloat16 or torch.float16, got {q.dtype}")
     Hq, D = q.shape[1], q.shape[2]
     page_dim = 1 if kv_layout == "NHD" else 2
@@ -245,9 +249,7 @@ def one_shot_for(q, k_cache, v_cache, kv_layout: str, *, where: str = "",
         raise ValueError(f"{where}{q_name}'s {Hq} heads must be a multiple of {k_name}'s {Hkv} "
                          "KV heads")
     check_head_dim(D, f"{where}head_dim ({q_name}.shape[2])")
-    if ps not in SUPPORTED_PAGE_SIZES:
-        raise ValueError(f"{where}page_size ({k_name}.shape[{page_dim}]) must be one of "
-                         f"{SUPPORTED_PAGE_SIZES}, got {ps}")
+    check_page_size(ps, f"{where}page_size ({k_name}.shape[{page_dim}])")
     # An fp8 cache selects fp8 variants (PODAttention checks the head dim); any other
     # cache dtype is run()'s to refuse.
     kv_dtype = k_cache.dtype if k_cache.dtype in FP8_DTYPES else None

@@ -75,8 +75,11 @@ def test_constructor_errors():
     for bad, err in ((0, ValueError), (-8, ValueError), (128.0, TypeError), (True, TypeError)):
         with raises(err, "head_dim"):
             PODAttention(HQ, HKV, bad, PS, device="cpu")
-    with raises(ValueError, "page_size"):
+    with raises(NotImplementedError, "page_size=3", "supported"):
         PODAttention(HQ, HKV, D, 3, device="cpu")
+    for bad, err in ((0, ValueError), (16.0, TypeError)):
+        with raises(err, "page_size"):
+            PODAttention(HQ, HKV, D, bad, device="cpu")
     with raises(ValueError, "kv_layout"):
         PODAttention(HQ, HKV, D, PS, kv_layout="NDH", device="cpu")
     with raises(TypeError, "dtype"):
@@ -328,7 +331,7 @@ def test_one_shot_errors_and_no_hopper():
         pod_attention(torch.randn(21, HQ, 80, dtype=torch.bfloat16),
                       torch.randn(8, PS, HKV, 80, dtype=torch.bfloat16),
                       torch.randn(8, PS, HKV, 80, dtype=torch.bfloat16), **kw)
-    with raises(ValueError, "page_size"):
+    with raises(NotImplementedError, "page_size"):
         pod_attention(g["q"], g["k"][:, :3], g["v"][:, :3], **kw)
     with raises(ValueError, "heads"):
         pod_attention(g["q"][:, :3], g["k"], g["v"], **kw)

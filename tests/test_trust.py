@@ -331,3 +331,52 @@ def test_fa4_learnable_sink_and_out_lse(launches):
     with pytest.raises(NotImplementedError, match="score_mod"):
         flash_attn_varlen_func(b["q"], b["k"], b["v"], cu_seqlens_q=b["cu"], seqused_k=b["kvl"],
                                page_table=b["bt"], score_mod=lambda *a: None)
+
+
+def test_fa3_return_attn_probs_and_contiguous_seqused_k(launches):
+    """FlashAttention 3's return_attn_probs returns (out, softmax_lse); contiguous K/V take
+    seqused_k (how many of each request's rows from cu_seqlens_k it uses)."""
+    b = batch()
+    k = torch.randn(60, HKV, D, dtype=torch.bfloat16)
+    cu_k = torch.tensor([0, 45, 60], **I32)
+    out, lse = flash_attn_varlen_func(b["q"], k, k.clone(), b["cu"], cu_k, 20, 45,
+                                      seqused_k=torch.tensor([40, 12], **I32), causal=True,
+                                      qv=None, return_attn_probs=True)
+    assert lse.shape == (HQ, 21)
+    p = launches[-1][0]
+    assert p.kv_len.tolist() == [40, 12] and p.page_list.tolist()[:3] == [0, 1, 2]
+    assert p.page_start.tolist() == [0, 45]  # request 1 starts at row 45
+    assert p.page_list.tolist()[45:48] == [45, 46, 47]
+
+
+def test_what_podcute_lacks_is_named(launches):
+    b = batch()
+    with pytest.raises(NotImplementedError, match="fp8 queries"):
+        flash_attn_varlen_func(b["q"].to(torch.float8_e4m3fn), b["k"], b["v"], 20, b["cu"], 40,
+                               seqused_k=b["kvl"], block_table=b["bt"])
+    with pytest.raises(NotImplementedError, match="value head dim"):
+        flash_attn_varlen_func(b["q"], b["k"], b["v"][..., :64], 20, b["cu"], 40,
+                               seqused_k=b["kvl"], block_table=b["bt"])
+    with pytest.raises(NotImplementedError, match="page_size.*512"):
+        flash_attn_varlen_func(b["q"], torch.randn(2, 512, HKV, D, dtype=torch.bfloat16),
+                               torch.randn(2, 512, HKV, D, dtype=torch.bfloat16), 20, b["cu"],
+                               40, seqused_k=b["kvl"], block_table=b["bt"][:, :1])
+    for kw, name in ((dict(output_scale=torch.ones(1)), "output_scale"),
+                     (dict(gather_kv_indices=b["bt"]), "gather_kv_indices")):
+        with pytest.raises(NotImplementedError, match=name):  # also on the per-layer path
+            flash_attn_varlen_func(b["q"], b["k"], b["v"], max_seqlen_q=20,
+                                   cu_seqlens_q=b["cu"], max_seqlen_k=40, seqused_k=b["kvl"],
+                                   block_table=b["bt"], causal=True, **kw)
+    assert not launches
+
+
+def test_fa4_keyword_call_with_qv_first(launches):
+    """FA4's fourth positional argument is qv: its calls are keyword calls, told apart by
+    FA4-only keywords, and return (out, lse)."""
+    b = batch()
+    out, lse = flash_attn4_varlen_func(b["q"], b["k"], b["v"], None, b["cu"], None, 20, 40,
+                                       None, None, b["kvl"], None, b["bt"], causal=True)
+    assert lse is None and launched(launches) == expected(b)
+    res = flash_attn_varlen_func(b["q"], b["k"], b["v"], cu_seqlens_q=b["cu"], seqused_k=b["kvl"],
+                                 page_table=b["bt"], causal=True, min_seqlen_k=1)
+    assert isinstance(res, tuple) and res[1] is None

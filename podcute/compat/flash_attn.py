@@ -77,10 +77,12 @@ ORDERS = {
             "seqused_k", "softmax_scale", "causal", "qv", "q_descale", "k_descale",
             "v_descale", "window_size", "attention_chunk", "softcap", "num_splits",
             "pack_gqa", "deterministic", "sm_margin", "return_attn_probs"),
-    "fa4": ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "seqused_q",
-            "seqused_k", "page_table", "softmax_scale", "causal", "window_size",
-            "learnable_sink", "softcap", "num_splits", "pack_gqa", "deterministic",
-            "score_mod", "aux_tensors", "return_lse"),
+    "fa4": ("qv", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k",
+            "min_seqlen_k", "seqused_q", "seqused_k", "gather_kv_indices", "page_table",
+            "softmax_scale", "causal", "window_size", "learnable_sink", "softcap",
+            "num_splits", "pack_gqa", "deterministic", "score_mod", "score_mod_bwd",
+            "mask_mod", "block_sparse_tensors", "aux_tensors", "aux_scalars", "return_lse",
+            "scheduler_metadata", "seqlen_k_per_split", "disable_scheduler_metadata"),
 }
 
 # Every keyword any flavour takes, with its "feature off" default. Aliases map to one
@@ -93,12 +95,25 @@ _DEFAULTS = dict(
     scheduler_metadata=None, q_descale=None, k_descale=None, v_descale=None, num_splits=0,
     fa_version=2, s_aux=None, cp_world_size=1, cp_rank=0, cp_tot_seqused_k=None,
     attention_chunk=0, pack_gqa=None, sm_margin=0, score_mod=None, aux_tensors=None,
-    mask_mod=None, block_sparse_tensors=None)
+    mask_mod=None, block_sparse_tensors=None, output_scale=None, aux_tensor_leading_dims=None,
+    dynamic_causal=False, min_seqlen_k=None, gather_kv_indices=None, score_mod_bwd=None,
+    aux_scalars=None, seqlen_k_per_split=None, disable_scheduler_metadata=False)
 _ALIASES = {"page_table": "block_table", "qv": "q_v", "learnable_sink": "s_aux",
             "return_lse": "return_softmax_lse"}
 # Keywords only FlashAttention 4 has: a call that passes one gets FA4's (out, lse) return.
-_FA4_ONLY = frozenset(("learnable_sink", "score_mod", "aux_tensors", "return_lse", "mask_mod",
-                       "block_sparse_tensors"))
+_FA4_ONLY = frozenset(("learnable_sink", "score_mod", "return_lse", "min_seqlen_k",
+                       "gather_kv_indices", "score_mod_bwd", "aux_scalars",
+                       "seqlen_k_per_split", "disable_scheduler_metadata"))
+# Arguments that change the result and podcute lacks: (name, why), refused when not None.
+_UNSUPPORTED = (("alibi_slopes", "no ALiBi"), ("q_v", "no separate value-query (MLA) input"),
+                ("seqused_q", "query lengths come from cu_seqlens_q"),
+                ("cp_tot_seqused_k", "no context parallelism"),
+                ("score_mod", "no score modifiers"), ("score_mod_bwd", "inference only"),
+                ("aux_tensors", "no score modifiers"), ("aux_scalars", "no score modifiers"),
+                ("mask_mod", "causal, window or no mask only"),
+                ("block_sparse_tensors", "no block-sparse attention"),
+                ("gather_kv_indices", "pages come from a block table or page_table"),
+                ("output_scale", "no fp8 output"))
 
 
 def _unsupported(name: str, value, why: str) -> None:
@@ -111,13 +126,16 @@ def _bind(flavour: str | None, args: tuple, kwargs: dict) -> tuple:
     """(the call's arguments by podcute's names, defaults filled in, the flavour whose
     return convention applies). `flavour` None: told from the call (module docstring)."""
     if flavour is None:
-        if args and isinstance(args[0], torch.Tensor):
-            flavour = _upstream_flavour(args, kwargs)
-        elif _FA4_ONLY.intersection(kwargs):
+        if _FA4_ONLY.intersection(kwargs):
             flavour = "fa4"
+        elif args and isinstance(args[0], torch.Tensor):
+            flavour = _upstream_flavour(args, kwargs)
         else:
             flavour = "vllm"
     order = ORDERS[flavour]
+    if flavour == "fa3" and kwargs.get("return_attn_probs", False) is True:
+        # FlashAttention 3's return_attn_probs returns (out, softmax_lse), no probabilities
+        kwargs = dict(kwargs, return_attn_probs=False, return_softmax_lse=True)
     if len(args) > len(order):
         raise TypeError(f"flash_attn_varlen_func() takes {len(order) + 3} positional arguments "
                         f"in {flavour}'s order but {len(args) + 3} were given")
@@ -146,14 +164,12 @@ def _bind(flavour: str | None, args: tuple, kwargs: dict) -> tuple:
 
 
 def _upstream_flavour(args: tuple, kwargs: dict) -> str:
-    """FA2, FA3 or FA4 for a call in upstream order (q, k, v, cu_seqlens_q, ...): FA2's
-    fifth argument is dropout_p (a number), FA3's and FA4's seqused_q; FA4's seventh is
-    page_table (a tensor) where FA3 has softmax_scale; else keywords only FA4 has."""
+    """FA2 or FA3 for a call in upstream order (q, k, v, cu_seqlens_q, ...; FA4's fourth
+    argument is qv, so its calls name their arguments): FA2's fifth argument is dropout_p
+    (a number), FA3's seqused_q; else keywords only FA3 has."""
     if len(args) > 4 and isinstance(args[4], (int, float)) and not isinstance(args[4], bool):
         return "fa2"
-    if (len(args) > 6 and isinstance(args[6], torch.Tensor)) or _FA4_ONLY.intersection(kwargs):
-        return "fa4"
-    if len(args) > 4 or "seqused_q" in kwargs or "qv" in kwargs or "attention_chunk" in kwargs:
+    if len(args) > 4 or {"seqused_q", "qv", "attention_chunk", "sm_margin"} & kwargs.keys():
         return "fa3"
     return "fa2"
 
@@ -180,25 +196,17 @@ def _window(window_size) -> tuple:
 
 def _check_semantics(a: dict) -> None:
     """Refuse every argument that would change the result and that podcute lacks."""
-    if not (a["dropout_p"] or a["return_attn_probs"] or a["alibi_slopes"] is not None
-            or a["q_v"] is not None or a["seqused_q"] is not None
-            or a["cp_tot_seqused_k"] is not None or a["cp_world_size"] != 1
-            or a["cp_rank"] != 0 or a["attention_chunk"] or a["score_mod"] is not None
-            or a["aux_tensors"] is not None or a["mask_mod"] is not None
-            or a["block_sparse_tensors"] is not None):
+    if not (a["dropout_p"] or a["return_attn_probs"] or a["cp_world_size"] != 1
+            or a["cp_rank"] != 0 or a["attention_chunk"] or a["dynamic_causal"]
+            or any(a[name] is not None for name, _ in _UNSUPPORTED)):
         return  # every layer's call: nothing to refuse
     if a["dropout_p"]:
         _unsupported("dropout_p", a["dropout_p"], "inference attention: dropout must be 0")
-    for name, why in (("alibi_slopes", "no ALiBi"),
-                      ("q_v", "no separate value-query (MLA) input"),
-                      ("seqused_q", "query lengths come from cu_seqlens_q"),
-                      ("cp_tot_seqused_k", "no context parallelism"),
-                      ("score_mod", "no score modifiers"),
-                      ("aux_tensors", "no score modifiers"),
-                      ("mask_mod", "causal, window or no mask only"),
-                      ("block_sparse_tensors", "no block-sparse attention")):
+    for name, why in _UNSUPPORTED:
         if a[name] is not None:
             _unsupported(name, a[name], why)
+    if a["dynamic_causal"]:
+        _unsupported("dynamic_causal", a["dynamic_causal"], "causal is fixed per call")
     if a["attention_chunk"]:
         _unsupported("attention_chunk", a["attention_chunk"], "no chunked (local) attention; "
                      "0 = off")
@@ -260,6 +268,17 @@ def _check_tensor(name: str, t, ndim: int) -> None:
         raise ValueError(f"{_WHERE}{name} must be {ndim}-D, got shape {tuple(t.shape)}")
 
 
+def _check_kv(k, v, ndim: int) -> None:
+    """k and v tensors of `ndim` dims with one head dim (FlashAttention 3's separate value
+    head dim, dv != d, is a feature podcute lacks)."""
+    _check_tensor("k", k, ndim)
+    _check_tensor("v", v, ndim)
+    if v.shape[-1] != k.shape[-1]:
+        raise NotImplementedError(f"{_WHERE}a value head dim (v.shape[-1] = {v.shape[-1]}) "
+                                  f"other than the key head dim ({k.shape[-1]}) is not "
+                                  "supported by podcute")
+
+
 def _check_indptr(cu_seqlens_k) -> None:
     if not isinstance(cu_seqlens_k, torch.Tensor) or cu_seqlens_k.dim() != 1:
         raise TypeError(f"{_WHERE}cu_seqlens_k must be a 1-D int32 tensor")
@@ -318,6 +337,7 @@ def flash_attn4_varlen_func(q, k, v, *args, **kwargs):
 
 def _varlen(q, k, v, a: dict, flavour: str):
     """The call, its arguments bound (_bind)."""
+    _check_semantics(a)  # (every path: nothing podcute lacks is ever ignored)
     want_lse = bool(a["return_softmax_lse"])
     handle = a["scheduler_metadata"]
     if isinstance(handle, StepPlan):
@@ -331,17 +351,14 @@ def _varlen(q, k, v, a: dict, flavour: str):
 
 def _run_named(q, k, v, a: dict, handle: StepPlan, want_lse: bool):
     """A call that names its plan (scheduler_metadata=StepPlan): no planning, no compare."""
-    _check_semantics(a)
     scalars = _scalars(a["causal"], a["softmax_scale"], a["window_size"], a["softcap"])
     handle.check(scalars, _WHERE)
     att = handle.attn
     if a["block_table"] is not None:
-        _check_tensor("k", k, 4)
-        _check_tensor("v", v, 4)
+        _check_kv(k, v, 4)
         k_cache, v_cache = k, v
     else:
-        _check_tensor("k", k, 3)
-        _check_tensor("v", v, 3)
+        _check_kv(k, v, 3)
         k_cache, v_cache = k.unsqueeze(1), v.unsqueeze(1)
     plan = handle.plan
     att._check_tensors(plan, q, k_cache, v_cache, a["out"])
@@ -357,15 +374,11 @@ def _run_one_shot(q, k, v, a: dict, want_lse: bool):
     bt, seqused_k, causal = a["block_table"], a["seqused_k"], a["causal"]
     if (bt is not None and seqused_k is not None and a["cu_seqlens_k"] is None
             and type(a["max_seqlen_q"]) is int and type(a["max_seqlen_k"]) is int
-            and (causal is True or causal is False) and not a["dropout_p"]
-            and a["q_v"] is None and a["alibi_slopes"] is None and not a["return_attn_probs"]
-            and a["seqused_q"] is None and a["cp_world_size"] == 1 and a["cp_rank"] == 0
-            and a["cp_tot_seqused_k"] is None and not a["attention_chunk"]
-            and a["score_mod"] is None and a["aux_tensors"] is None and a["mask_mod"] is None
-            and a["block_sparse_tensors"] is None
+            and (causal is True or causal is False)
             and (a["q_descale"] is None or type(a["q_descale"]) is torch.Tensor)):
-        # A layer's call in vLLM's form (each test above is one _Call.of would pass):
-        # launch straight away if the last paged call's plan of its kind serves it.
+        # A layer's call in vLLM's form (each test above is one _Call.of would pass; the
+        # refusals are _varlen's): launch straight away if the last paged call's plan of
+        # its kind serves it.
         scalars = _scalars(causal, a["softmax_scale"], a["window_size"], a["softcap"])
         att = one_shot_fast(_LAST, ("paged", scalars), (a["cu_seqlens_q"], seqused_k, None, bt),
                             scalars, q, k, v, a["out"])
@@ -461,8 +474,7 @@ class _Call:
         if block_table is not None:
             # Paged: caches [num_blocks, block_size, Hkv, D], lengths in seqused_k (vLLM) or
             # cu_seqlens_k (upstream FlashAttention 2).
-            _check_tensor("k", k, 4)
-            _check_tensor("v", v, 4)
+            _check_kv(k, v, 4)
             if (seqused_k is None) == (cu_seqlens_k is None):
                 raise ValueError(f"{_WHERE}with block_table pass exactly one of seqused_k or "
                                  "cu_seqlens_k (the KV lengths)")
@@ -474,16 +486,17 @@ class _Call:
             kv_name = "seqused_k" if seqused_k is not None else "cu_seqlens_k"
         else:
             # Contiguous varlen K/V [total_k, Hkv, D]: pages of one token, CSR indices 0..n-1.
-            _check_tensor("k", k, 3)
-            _check_tensor("v", v, 3)
-            if cu_seqlens_k is None or seqused_k is not None:
+            _check_kv(k, v, 3)
+            # (FlashAttention 3: seqused_k, if given, is how many of a request's rows from
+            # cu_seqlens_k[i] it uses.)
+            if cu_seqlens_k is None:
                 raise ValueError(f"{_WHERE}without block_table pass cu_seqlens_k (contiguous "
-                                 "K/V) and no seqused_k")
+                                 "K/V)")
             _check_indptr(cu_seqlens_k)
             k_cache, v_cache = k.unsqueeze(1), v.unsqueeze(1)
             pages = dict(kv_indptr=cu_seqlens_k, kv_indices=_token_pages(k.shape[0]))
-            index_args = (cu_seqlens_q, cu_seqlens_k)
-            kv_name = "cu_seqlens_k"
+            index_args = (cu_seqlens_q, cu_seqlens_k, seqused_k)
+            kv_name = "cu_seqlens_k" if seqused_k is None else "seqused_k"
 
         att, planner = one_shot_for(q, k_cache, v_cache, "NHD", where=_WHERE,
                                     names=("q", "k", "v"), scalars=scalars)
@@ -501,15 +514,15 @@ class _Call:
                 att.plan(cu_seqlens_q, kv_lens, causal=causal, sm_scale=a["softmax_scale"],
                          window_size=window, softcap=softcap, _kv_name=kv_name, **pages)
             except (TypeError, ValueError) as err:
-                raise type(err)(_WHERE + _renamed(str(err), kv_name)) from err
+                raise type(err)(_WHERE + _renamed(str(err), block_table is None)) from err
 
         return _Call(att, planner, k_cache, v_cache, scales, index_args, scalars, plan)
 
 
-def _renamed(msg: str, kv_name: str) -> str:
-    """A planner message in FlashAttention's names: contiguous K/V's CSR offsets are
-    cu_seqlens_k, its lengths are cu_seqlens_k's differences."""
+def _renamed(msg: str, contiguous: bool) -> str:
+    """A planner message in FlashAttention's names: softmax_scale, and for contiguous K/V
+    its CSR offsets are cu_seqlens_k and its page list the K/V rows."""
     msg = msg.replace("sm_scale", "softmax_scale")
-    if kv_name != "cu_seqlens_k":
+    if not contiguous:
         return msg
     return msg.replace("kv_indptr", "cu_seqlens_k").replace("kv_indices", "the K/V rows")
