@@ -1,4 +1,5 @@
-"""The serving example (examples/serve_llama.py) on the CPU, tiny and in float32.
+"""The serving example (examples/serve_llama.py) on the CPU, tiny and in float32, through
+its checking harness (tests/serving_harness.py).
 
 The dense loop is checked end to end (scheduler invariants, tokens and hidden states
 against the teacher-forced reference). For podcute, which cannot run on the CPU, every
@@ -8,23 +9,20 @@ padded to the buckets as on the GPU; a stand-in for CUDA graphs (replay = rerun 
 forward on the static buffers) exercises the replay bookkeeping and its checks.
 """
 
-import runpy
-from pathlib import Path
-from types import SimpleNamespace
+import dataclasses
 
 import pytest
 import torch
 
 from podcute import PODAttention, pod_attention_reference
 
-# the example is a script, not a package: load it by path
-sl = SimpleNamespace(**runpy.run_path(
-    str(Path(__file__).resolve().parents[1] / "examples" / "serve_llama.py"),
-    run_name="serve_llama"))
-MCFG, SCFG, TCFG = sl.TINY
+import serving_harness as harness
+
+ex = harness.ex  # the example, imported by path
+MCFG, SCFG, TCFG = harness.TINY
 
 
-class PlannedReference(sl.PodcuteBackend):
+class PlannedReference(ex.PodcuteBackend):
     """podcute's plans (a host-only PODAttention) with podcute.reference attention over
     the metadata each plan() was given: what podcute's run() would compute."""
 
@@ -67,34 +65,34 @@ def _stand_in_capture(self, st):
 
 @pytest.fixture(scope="module")
 def setup():
-    trace = sl.make_trace(TCFG, MCFG.vocab_size, seed=0)
-    scfg = sl.dataclasses.replace(SCFG, max_seq_len=trace.max_seq_len)
-    model = sl.Llama(MCFG, "cpu", seed=0, max_positions=scfg.max_seq_len)
+    trace = ex.make_trace(TCFG, MCFG.vocab_size, seed=0)
+    scfg = dataclasses.replace(SCFG, max_seq_len=trace.max_seq_len)
+    model = ex.Llama(MCFG, "cpu", seed=0, max_positions=scfg.max_seq_len)
     return model, scfg, trace
 
 
 def _serve(setup, backend_cls, steps=None, **engine_kw):
     model, scfg, trace = setup
-    engine = sl.Engine(model, scfg, backend_cls(model.cfg, scfg, "cpu"), **engine_kw)
+    engine = harness.CheckedEngine(model, scfg, backend_cls(model.cfg, scfg, "cpu"), **engine_kw)
     with torch.no_grad():
-        return sl.serve(engine, trace, record_steps=steps)
+        return harness.serve(engine, trace, record_steps=steps)
 
 
 @pytest.fixture(scope="module")
 def dense(setup):
     steps = []
-    return _serve(setup, sl.DenseBackend, steps, use_graphs=False), steps
+    return _serve(setup, harness.DenseBackend, steps, use_graphs=False), steps
 
 
 @pytest.fixture(scope="module")
 def reference(setup, dense):
-    return sl.teacher_forced(setup[0], dense[0].requests)
+    return harness.teacher_forced(setup[0], dense[0].requests)
 
 
 def test_scheduler_invariants(setup, dense):
     res, steps = dense
     _, scfg, trace = setup
-    facts = sl.check_scheduler(res)
+    facts = harness.check_scheduler(res)
     assert facts["passed"], facts  # pages freed, all tokens, chunked prefill, a mixed step
     assert [len(r.output) for r in res.requests] == [n for _, _, n in trace.items]
     ps = scfg.page_size
@@ -110,7 +108,7 @@ def test_scheduler_invariants(setup, dense):
             assert pos[-1] + 1 == step.kv_lens[b]
             assert torch.equal(slots, step.block_table[b][pos // ps].long() * ps + pos % ps)
             pages = set(step.block_table[b, :-(-int(step.kv_lens[b]) // ps)].tolist())
-            assert sl.SCRATCH_PAGE not in pages and not pages & owned  # no sharing
+            assert ex.SCRATCH_PAGE not in pages and not pages & owned  # no sharing
             owned |= pages
         assert step.num_prefill + step.num_decode == len(step.requests)
     mixes = {(s.num_prefill > 0, s.num_decode > 0) for s in steps}
@@ -119,8 +117,8 @@ def test_scheduler_invariants(setup, dense):
 
 def test_dense_loop_matches_teacher_forced(dense, reference):
     res = dense[0]
-    tokens = sl.check_tokens(res, reference, sl.LOGIT_TOL[torch.float32])
-    hidden = sl.check_hidden(res, reference, sl.HIDDEN_TOL[torch.float32])
+    tokens = harness.check_tokens(res, reference, harness.LOGIT_TOL[torch.float32])
+    hidden = harness.check_hidden(res, reference, harness.HIDDEN_TOL[torch.float32])
     assert tokens["passed"] and tokens["exact"] == tokens["compared"], tokens
     assert hidden["passed"], hidden
 
@@ -129,7 +127,7 @@ def test_podcute_plans_every_step_on_the_host(dense):
     """The podcute backend's plan() for every step of the loop, on a host-only
     PODAttention with the example's capacities; run() needs the GPU."""
     res, steps = dense
-    backend = sl.PodcuteBackend(MCFG, res.engine.scfg, "cpu", dtype=torch.bfloat16)
+    backend = ex.PodcuteBackend(MCFG, res.engine.scfg, "cpu", dtype=torch.bfloat16)
     assert isinstance(backend.attn, PODAttention)
     for step in steps:
         summary = backend.prepare(step)
@@ -148,7 +146,7 @@ def test_podcute_planned_loop_matches_dense(setup, dense, reference):
     tokens, and hidden states matching the teacher-forced reference."""
     res = _serve(setup, PlannedReference, use_graphs=False)
     assert [r.output for r in res.requests] == [r.output for r in dense[0].requests]
-    assert sl.check_hidden(res, reference, sl.HIDDEN_TOL[torch.float32])["passed"]
+    assert harness.check_hidden(res, reference, harness.HIDDEN_TOL[torch.float32])["passed"]
     by_bucket = res.engine.steps_by_bucket
     assert by_bucket.get("eager") and len(by_bucket) > 1, by_bucket  # padded and eager steps
     assert res.engine.backend.plans == len(res.steps)  # plan once per step
@@ -157,11 +155,11 @@ def test_podcute_planned_loop_matches_dense(setup, dense, reference):
 def test_graph_bookkeeping_with_a_stand_in(setup, dense, monkeypatch):
     """The graph path (capture per bucket, plan + load + replay per step, the replay
     checks) with replay = rerun on the static buffers."""
-    monkeypatch.setattr(sl.Engine, "_capture", _stand_in_capture)
+    monkeypatch.setattr(ex.Engine, "_capture", _stand_in_capture)
     res = _serve(setup, PlannedReference, use_graphs=True, replay_checks=3)
     assert sorted(res.engine.graphs) == sorted(SCFG.buckets)
     assert [r.output for r in res.requests] == [r.output for r in dense[0].requests]
-    replays = sl.check_replays(res.engine)
+    replays = harness.check_replays(res.engine)
     assert replays["passed"], replays
     assert len(replays["checked"]) >= 2
     # plans: one per bucket captured, one per step, one more per replay check
@@ -170,6 +168,6 @@ def test_graph_bookkeeping_with_a_stand_in(setup, dense, monkeypatch):
 
 
 def test_cli_on_the_cpu(capsys):
-    assert sl.main(["--tiny", "--device", "cpu"]) == 0
+    assert harness.main(["--tiny", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "PASSED" in out and "dense" in out
