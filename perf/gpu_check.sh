@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One call on the H200 (from the repo root, GPU bundle in .device/, see ../shared/device):
+# One call on a GPU machine (from the repo root; its environment script is .device/gpu-env.sh,
+# git-ignored):
 #
 #   bash perf/gpu_check.sh STEP...      STEP: demo warm kernel features graph compat serving memcheck
 #                                             racecheck synccheck quick-bench bench host
@@ -128,12 +129,14 @@ for s in "$@"; do
     fbench-*) step "$s" 580 env DEADLINE_S=$((DEADLINE - SECONDS - 20)) \
         bash perf/feature_bench.sh ${s#fbench-} ;;  # e.g. fbench-d256 (perf/feature_bench.sh)
     ncu-base-*) w=${s#ncu-base-}  # the same profile of the tree in .device/base
+        prof=perf.experiments.profile_one  # (perf.profile_one in a tree older than perf/experiments/)
+        [ -f .device/base/perf/experiments/profile_one.py ] || prof=perf.profile_one
         step "$s" 240 env -C .device/base PYTHONPATH=$PWD/.device/base:${PYTHONPATH:-} \
         ncu --clock-control none -k regex:kernel_cutlass --launch-skip 3 --launch-count 1 \
-        "${NCU_SECTIONS[@]}" python -m perf.profile_one ${w%-*} ${w##*-} ;;
+        "${NCU_SECTIONS[@]}" python -m $prof ${w%-*} ${w##*-} ;;
     ncu-*) w=${s#ncu-}; step "$s" 240 ncu --clock-control none -k regex:kernel_cutlass \
         --launch-skip 3 --launch-count 1 "${NCU_SECTIONS[@]}" \
-        python -m perf.profile_one ${w%-*} ${w##*-} ;;
+        python -m perf.experiments.profile_one ${w%-*} ${w##*-} ;;
     *) echo "unknown step $s"; status=2 ;;
   esac
 done

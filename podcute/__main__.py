@@ -174,8 +174,16 @@ def main(argv=None) -> int:
                 print(f"python -m podcute compile: {err}", file=sys.stderr)
                 return 2
         return compile_all(args.arch, check=args.check, jobs=args.jobs, variants=variants)
-    from perf.bench import main as bench_main  # the harness lives in the repo's perf/
-
+    try:  # the harness lives in the source tree's perf/, which the wheel does not ship
+        from perf.bench import main as bench_main
+    except ImportError as err:
+        if err.name not in ("perf", "perf.bench"):
+            raise
+        print("python -m podcute bench needs a source checkout of podcute: the benchmark "
+              "harness is the repository's perf/ package, which is not installed with the "
+              "wheel. Run it from the repository root (python -m podcute bench, or "
+              "python -m perf.bench).", file=sys.stderr)
+        return 2
     return bench_main(rest)
 
 

@@ -116,7 +116,8 @@ def _ragged_arange(counts: np.ndarray, total: int) -> np.ndarray:
 class CostModel:
     """Predicted time of one work piece on one CTA (one CTA per SM).
 
-    Rates are the H200 ceilings measured in DESIGN.md, divided over its 132 SMs:
+    Rates are the H200 ceilings (docs/performance.md: 4.22 TB/s copy, 779 TFLOP/s bf16),
+    divided over its 132 SMs:
 
     - prefill piece: the FLOPs of a ``tile_m_prefill``-row MMA over its KV tokens,
       4 * D * tile_m per KV token (over long prompts equal to the visible causal pairs,

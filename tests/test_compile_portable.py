@@ -24,7 +24,7 @@ BOTH = "bfloat16,float16"  # the shipped set is bf16; the feature check covers f
 # 128-row prefill items (config.WIDE_PREFILL_ARCHS) keep O of 32 rows a warp (128
 # registers at D 128) beside a per-SM budget of 255, and ptxas, reading ahead as far as
 # registers allow, leaves a few values in local memory. Where they are (SASS of the
-# 2026-12-05 build, `python -m perf.sass_loops`, docs/performance.md): in the two-block
+# 2026-12-05 build, `python -m perf.experiments.sass_loops`, docs/notes/warp-kernel.md): in the two-block
 # tile loop, 2 reloads a tile at D 128 G 4-8 non-causal, none in the causal ones, 4
 # stores and 4 loads (the row sums) at G 1, 9 reloads with every model feature, of
 # ~1500-1650 instructions; the rest is per-item code (the split items' fold, the

@@ -110,7 +110,7 @@ def test_sweep_grid():
 
 @pytest.mark.parametrize("name", ["M1", "M2", "M3", "M4", "M5", "P1", "D1"])
 def test_rooflines_match_anchors_at_anchor_ceilings(name):
-    """At the ceilings DESIGN.md measured (4.22 TB/s, 779 TFLOP/s) the memory-bound
+    """At the H200 ceilings (docs/performance.md) (4.22 TB/s, 779 TFLOP/s) the memory-bound
     rooflines land within 0.5% of the issue's anchors."""
     w = {x.name: x for x in W.MAIN}[name]
     assert W.roofline_s(w, 779e12, 4.22e12) * 1e3 == pytest.approx(
@@ -430,7 +430,7 @@ def test_bytes_moved_with_a_one_byte_cache():
 
 
 def test_sass_loops_finds_back_branches_and_counts_inside():
-    from perf.sass_loops import loops
+    from perf.experiments.sass_loops import loops
 
     sass = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;
@@ -454,10 +454,10 @@ def test_sass_loops_finds_back_branches_and_counts_inside():
 
 
 def test_l2_model_traffic_by_hand():
-    """perf.l2_model: M3's decode streams 128 x 8192 keys once; its 4096-token causal
+    """perf.experiments.l2_model: M3's decode streams 128 x 8192 keys once; its 4096-token causal
     prefill has 128 row tiles of 32 tokens (128 packed rows at group 4) per KV head, tile
     t reading keys [0, 32 (t + 1)): 32 x 128 x 129 / 2 keys over, against 4096 once."""
-    from perf.l2_model import traffic
+    from perf.experiments.l2_model import traffic
 
     t = traffic(W.M3)
     per_key = 8 * 128 * 2 * 2

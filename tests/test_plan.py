@@ -360,7 +360,7 @@ def test_demo_batch_summary():
     assert (s.num_prefill_requests, s.num_decode_requests) == (1, 128)
     assert s.num_prefill_items >= 2048 * 4 // 128 * 8  # 64 row tiles x 8 kv heads
     assert s.balance < 1.05
-    # Roofline of this batch is 0.264 ms (DESIGN.md); the prediction adds overheads.
+    # Roofline of this batch is 0.264 ms (docs/performance.md); the prediction adds overheads.
     assert 250 < s.predicted_us < 400
     text = str(s)
     assert "129 requests" in text and "balance" in text and "predicted" in text

@@ -134,8 +134,8 @@ class KernelConfig:
     ragged_kv: bool = False
     # Decode items copy K/V with an L2 evict-first policy (their rows are read once in the
     # launch), so that streaming them does not push out the K/V of the batch's prefill
-    # requests, which each row tile of a request reads again (docs/performance.md,
-    # "twenty-seventh session": 3-13 % off the mixed batches on an H100, both kernels).
+    # requests, which each row tile of a request reads again (docs/notes/l2-hint.md,
+    # measured 2026-12-05 on 8d3e745: 3-13 % off the mixed batches on an H100, both kernels).
     # The warp-level kernel: its items of <= 16 rows; sm_90a: its decode items (every
     # gathered copy carries a policy, evict-normal for prefill items).
     decode_kv_evict_first: bool = True
@@ -517,7 +517,7 @@ class KernelConfig:
         unstaged O stores, measured no faster). Two producer warpgroups, for two converter
         groups of 3 warps (`converter_groups`): the three spare warps of one warpgroup
         converted ~7 (bf16) / 9 (fp16) values a clock per SM, where the HBM stream brings
-        ~18 (docs/performance.md). setmaxnreg 56 x 2 / 200 x 2 (512 threads launch with
+        ~18 (docs/notes/fp8.md). setmaxnreg 56 x 2 / 200 x 2 (512 threads launch with
         128): the converters keep 3 chunks' loads in flight in 56; the MMA warpgroups hold
         Q's fragments (`q_in_registers`, 32 registers) beside O, S and P, and spilled at
         192 with them (0 spills at 200)."""

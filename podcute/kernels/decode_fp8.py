@@ -4,7 +4,7 @@ A decode item reads each K/V byte once and does little math with it: HBM is its 
 The wgmma path needs 16-bit operands in shared memory, so an fp8 tile would cross shared
 memory three more times (read by a converting warp, written as 16 bits, read by wgmma)
 and cost ~6 converting instructions a value: that, not HBM, bounded fp8 decode
-(docs/performance.md). Here each MMA warp reads its 16 KV rows of a staged fp8 tile
+(docs/notes/fp8.md). Here each MMA warp reads its 16 KV rows of a staged fp8 tile
 straight into registers with 16-byte loads, converts them there (e4m3: one `cvt` a pair;
 e5m2: one byte move) and feeds `mma.sync.m16n8k16` (fp16 operands, fp32 accumulators),
 whose operands both come from registers. An item's packed rows (its GQA group x q_len,

@@ -29,7 +29,7 @@ from cutlass.cutlass_dsl import dsl_user_op
 from podcute.kernels.ptx import asm32, f32_bits, pow2
 
 # Passes whose loads are in flight together (3 x 4 words: what the producer's registers,
-# 56 since the seventeenth session, hold beside the addresses without spilling).
+# 56 since cf0960a (2026-12-04), hold beside the addresses without spilling).
 BATCH = 3
 # prmt selectors: bytes 0, 1 (or 2, 3) of a word to the high bytes of two 16-bit lanes.
 _LOW_PAIR, _HIGH_PAIR = 0x1404, 0x3424

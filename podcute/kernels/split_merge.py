@@ -20,7 +20,7 @@ from podcute.kernels.metadata import MergeCol
 # A merge is bound by load latency, not bytes (a 128-row group of two splits is 128 KB,
 # about a microsecond of an SM's L2 bandwidth). Read a split and a row at a time, its LSE
 # maximum first, it took 5 dependent L2 round trips a row pass (~25 us for 128 rows on
-# 4 warps, which the fused launch's split pieces paid: docs/performance.md). So one
+# 4 warps, which the fused launch's split pieces paid: docs/notes/split-merge.md). So one
 # sweep, rescaling as the maximum grows (the online softmax's step), with the LSE and
 # partials of SPLITS_IN_FLIGHT splits loaded before any is used: one round trip a pass
 # for two splits; and 8 columns a thread, 8 rows a pass at D 128 (4 columns took twice

@@ -4,12 +4,12 @@ co-resident CTAs overlap prefill with decode? Same plan, same process: the fused
 timed with the planner's list order, then with the work rows of every list regrouped on
 the device (outputs must match bit for bit).
 
-    [PODCUTE_ARCH=sm_90] python -m perf.exp_group_kinds [--page 16]
+    [PODCUTE_ARCH=sm_90] python -m perf.experiments.exp_group_kinds [--page 16]
 
-(They do not: the block scheduler pairs other CTAs, `perf.exp_sm_pairs`. Since the
-twenty-fifth session the warp-level kernel's CTAs take lists s and s + num_SMs by the SM
-they run on and the planner groups its mixed batches' lists itself, so for that kernel
-both orders here are the planner's.)
+(They do not: the block scheduler pairs other CTAs, `perf.experiments.exp_sm_pairs`.
+Since 76a7ad9 (2026-12-05) the planner groups a mixed batch's lists by kind itself for the
+warp-level kernel on chips short of HBM bandwidth per SM (an H100), so there both orders
+here are the planner's; docs/notes/sm-pairing.md.)
 """
 
 import argparse

@@ -12,24 +12,23 @@ model prices the batch at the copy bandwidth both ways:
     all-miss: (decode K/V + every prefill tile's K/V reads + Q and O) / bandwidth
 
 and prints them beside the measured fused times of both kernels (`MEASURED`). The
-twenty-seventh session found the measured times at the all-miss line (docs/performance.md)
-and added KernelConfig.decode_kv_evict_first, predicting that with decode lines evicted
-first the fused time falls from the all-miss line towards the once line; the last column
-is the H200's answer (session 28): the sm_90a kernel's times fell 8-15 %, the portable
-kernel's 0-6 %.
+measured times sat on the all-miss line (2026-12-05, docs/notes/l2-hint.md), which led to
+KernelConfig.decode_kv_evict_first, predicted to move the fused time from the all-miss line
+towards the once line; the last column is the H200's answer (ef98a47, 2026-12-05): the
+sm_90a kernel's times fell 8-15 %, the portable kernel's 0-6 %.
 
-    python -m perf.l2_model
+    python -m perf.experiments.l2_model
 """
 from perf import workloads as W
 
 TILE_ROWS = 128  # packed rows of a prefill item (both kernels at D 128)
-COPY_TB_S = 4.27  # the H200's copy bandwidth, read + write (perf.bench, session 24)
+COPY_TB_S = 4.27  # the H200's copy bandwidth, read + write (perf.bench, 2026-12-05, 362073a)
 # Fused GPU ms at page 16 on the H200: the portable kernel (PODCUTE_ARCH=sm_90, planner
-# as on main 0779876, `perf.exp_parts --variant blockidx`, session 26) and the sm_90a
-# kernel (perf/results/bench.md, ab4499f).
+# as on main 0779876, `perf.experiments.exp_parts --variant blockidx`, 2026-12-05) and the
+# sm_90a kernel (perf/results/bench.md, ab4499f).
 MEASURED = {"M1": (0.323, 0.330), "M2": (0.780, 0.774), "M3": (1.205, 1.259),
             "M5": (0.421, 0.410), "P1": (0.728, 0.666)}
-# The same with decode_kv_evict_first (main ef98a47, session 28, `perf.bench --quick`:
+# The same with decode_kv_evict_first (main ef98a47, 2026-12-05, `perf.bench --quick`:
 # perf/results/portable_sm90/bench.md and the sm_90a run beside it, docs/performance.md).
 MEASURED_HINT = {"M1": (0.310, 0.302), "M2": (0.754, 0.655), "M3": (1.176, 1.128),
                  "M5": (0.418, 0.379), "P1": (0.683, 0.583)}

@@ -4,7 +4,7 @@ ints), compiled with TVM-FFI like podcute's, each called back to back from Pytho
 host time per call (min over rounds of 2000 calls) says how much of the ~11 us raw call
 one metadata buffer instead of 13 tensors would save.
 
-    python -m perf.exp_ffi_args          (on a GPU machine)
+    python -m perf.experiments.exp_ffi_args          (on a GPU machine)
 """
 
 import time

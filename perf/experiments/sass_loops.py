@@ -4,7 +4,7 @@ disassemble their cubins and print, per loop, its instructions and the local-mem
 local memory; this says whether they sit in a tile loop (paid every tile) or in per-item
 code (paid once an item).
 
-    python -m perf.sass_loops --arch sm_90 --head-dims 128 --groups 4 [--features ...]
+    python -m perf.experiments.sass_loops --arch sm_90 --head-dims 128 --groups 4 [--features ...]
         [--dtypes bfloat16] [--all-loops] [--keep DIR] [--evict-first 0|1]
 
 Needs `nvdisasm` (`NVDISASM=...`, on PATH, or the `nvidia-cuda-nvdisasm` wheel:

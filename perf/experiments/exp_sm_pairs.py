@@ -6,10 +6,10 @@ records each CTA's %smid and start/end times (%globaltimer_lo) while it spins.
 On the H100 (2026-12-05) 24-72 of the 132 SMs held CTAs s and s + 132, the rest other
 pairs, and the map changed between launches. The first 132 CTAs take one SM each, so
 lists grouped by kind (s prefill first, s + 132 decode first: `Planner._group_lists`)
-give every SM one of each whatever the map; taking the lists by %smid (sessions 25-26)
-gained nothing over that and was removed.
+give every SM one of each whatever the map; taking the lists by %smid (76a7ad9 to
+8d3e745, 2026-12-05) gained nothing over that and was removed (docs/notes/sm-pairing.md).
 
-    python -m perf.exp_sm_pairs [--smem-kb 97] [--spin-us 50]
+    python -m perf.experiments.exp_sm_pairs [--smem-kb 97] [--spin-us 50]
 """
 import argparse
 import collections

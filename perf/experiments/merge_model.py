@@ -10,16 +10,17 @@ and models a CTA's time as
     predicted list time + A_US x (merge round trips it waits) + PIECE_US x (its pieces)
 
 and the launch as the slowest CTA (or SM, two CTAs an SM). A_US and PIECE_US were fitted
-(least squares over relative error, a free scale per workload) to the fused times that the
-twenty-second session measured with 1-4 pre-split pieces a list (`perf.exp_plan_variants
-16 --set chunks`, docs/performance.md), where the cost model without merges predicts no
-change and the launch slowed by up to 30 %. `--fit` redoes the fit; by default the script
-predicts, from each workload's measured default time, its time with the one-sweep merge
-(two splits' LSE and partials in flight, `split_merge.COLS_PER_THREAD` columns a thread).
-Measured on the H200 (session 24, docs/performance.md): the one sweep at 4 columns gained
-1-4 %, about half of what this model predicted for it; 8 columns a thread 0.3-2.8 % more.
+(least squares over relative error, a free scale per workload) to the fused times measured
+on 2026-12-05 (main 4ddc0ad) with 1-4 pre-split pieces a list
+(`perf.experiments.exp_plan_variants 16 --set chunks`, docs/notes/prefill-overlap.md),
+where the cost model without merges predicts no change and the launch slowed by up to
+30 %. `--fit` redoes the fit; by default the script predicts, from each workload's
+measured default time, its time with the one-sweep merge (two splits' LSE and partials in
+flight, `split_merge.COLS_PER_THREAD` columns a thread). Measured on the H200 (362073a and
+94ded01, docs/notes/split-merge.md): the one sweep at 4 columns gained 1-4 %, about half
+of what this model predicted for it; 8 columns a thread 0.3-2.8 % more.
 
-    python -m perf.merge_model [--fit]
+    python -m perf.experiments.merge_model [--fit]
 """
 import argparse
 import dataclasses
@@ -28,7 +29,7 @@ import math
 import numpy as np
 
 from perf import workloads as W
-from perf.exp_plan_variants import SWEEP
+from perf.experiments.exp_plan_variants import SWEEP
 import podcute.plan as P
 from podcute.kernels.metadata import MergeCol, WorkCol
 from podcute.kernels.split_merge import COLS_PER_THREAD, SPLITS_IN_FLIGHT
@@ -37,9 +38,9 @@ from podcute.testing import make_batch
 PAGE = 16
 A_US, PIECE_US = 0.15, 0.25  # the fit (--fit): one L2 round trip, one piece's extra cost
 # Rows a pass at D 128 on the warp kernel's 128 threads (128 / (128 / columns a thread),
-# so the columns a thread): the two-pass merge of session 22's times gave a thread 4.
+# so the columns a thread): the two-pass merge of 4ddc0ad's times gave a thread 4.
 ROWS_PER_PASS = {"two_pass": 4, "one_sweep": COLS_PER_THREAD}
-# Fused GPU ms at page 16 with chunks_per_cta 1-4 (H200, PODCUTE_ARCH=sm_90, session 22;
+# Fused GPU ms at page 16 with chunks_per_cta 1-4 (H200, PODCUTE_ARCH=sm_90, 4ddc0ad;
 # chunks 1: the mean of its two runs).
 MEASURED = {
     "M1": (0.345, 0.388, 0.431, 0.450), "M2": (0.845, 0.889, 0.932, 0.964),
@@ -49,7 +50,7 @@ MEASURED = {
 
 
 def round_trips(rows: int, splits: int, scheme: str) -> int:
-    """Dependent L2 round trips of one merge: `two_pass` (before session 24: each split's
+    """Dependent L2 round trips of one merge: `two_pass` (before 362073a: each split's
     LSE for the maximum, then each split's LSE and partial, one split at a time, then
     the store), `one_sweep` (SPLITS_IN_FLIGHT splits' LSE and partials loaded together)."""
     passes = math.ceil(rows / ROWS_PER_PASS[scheme])

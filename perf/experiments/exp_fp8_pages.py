@@ -6,7 +6,7 @@ bytes: the used pages gathered whole (torch.index_select: page-sized contiguous 
 pattern a kernel reading every head of a page at once would see) and one contiguous copy.
 All in one run (CUDA events, medians, perf.timing).
 
-    python -m perf.exp_fp8_pages [--reps 30]
+    python -m perf.experiments.exp_fp8_pages [--reps 30]
 
 In NHD a KV head's row of a page is 128 bytes (D 128, fp8) at a stride of Hkv x 128 bytes:
 a 16-token page gives each CTA 16 such pieces per head, 2 KB of a 16 KB page; HND keeps a

@@ -1,7 +1,7 @@
 """Run one benchmark workload's fused launch a few times, for a profiler to pick up:
 
     ncu --clock-control none -k regex:kernel_cutlass --launch-skip 3 --launch-count 1 \\
-        --section SpeedOfLight ... python -m perf.profile_one F1 128
+        --section SpeedOfLight ... python -m perf.experiments.profile_one F1 128
 
 (perf.workloads names; page size). Prints the plan and the median of the runs. With
 PODCUTE_PROFILE_KV=float8_e4m3fn (or float8_e5m2) the cache is the per-head fp8

@@ -2,14 +2,15 @@
 with the cost model's default and with its prefill MMA efficiency set to 0.3-0.55 (the
 warp-level kernel's default is `CostModel.warp_mma_efficiency`), each timed in one
 process, the default twice (first and last: the run-to-run spread); outputs compared
-with the first plan's; "grouped" is the ninth session's regrouping (`exp_group_kinds`:
+with the first plan's; "grouped" is `exp_group_kinds`' regrouping (2026-12-02:
 even lists prefill items first, odd lists decode items first). `--set chunks` instead
 pre-splits each kind into 2-4 pieces per CTA (`CostModel.chunks_per_cta`, default 1): a
 finer interleave of the kinds in every list, for more partials and merges; `--set
 coarse` the other way: every split piece and cut of at least 8, 16 or 32 us of work
 (`CostModel.min_chunk_us`, default 4): fewer partials and merges.
 
-    PODCUTE_ARCH=sm_90 python -m perf.exp_plan_variants [PAGE] [--set efficiency|chunks|coarse]
+    PODCUTE_ARCH=sm_90 python -m perf.experiments.exp_plan_variants [PAGE]
+        [--set efficiency|chunks|coarse]
 """
 import argparse
 import dataclasses
@@ -17,7 +18,7 @@ import dataclasses
 import torch
 
 from perf import workloads as W
-from perf.exp_group_kinds import regroup
+from perf.experiments.exp_group_kinds import regroup
 from perf.timing import time_gpu
 import podcute.plan as P
 from podcute import PODAttention

@@ -2,7 +2,7 @@
 part and its decode part alone (each planned and run as its own batch), to see how much
 of the two the fused launch overlaps.
 
-    PODCUTE_ARCH=sm_90 python -m perf.exp_parts [PAGE] [W1,W2,...] [--one-cta-per-sm]
+    PODCUTE_ARCH=sm_90 python -m perf.experiments.exp_parts [PAGE] [W1,W2,...] [--one-cta-per-sm]
         [--variant planner|interleaved|grouped] [--fused-only]
         [--hbm-scale F] [--evict-first 0|1]
 
@@ -14,15 +14,17 @@ beside a CTA of the other kind.
 
 --variant picks the lists' order whatever the chip (fused_ms) and --hbm-scale plans with
 another chip's HBM rate (0.68: an H100's against the H200-calibrated cost model);
---fused-only skips the parts. The session-26 runs (docs/performance.md) alternated
-`--variant V --fused-only` over the variants, three rounds, on an H100 and an H200 (then
-also with the lists taken by %smid, a kernel mode since removed: it gained nothing).
+--fused-only skips the parts. The runs of 2026-12-05 on f7fa1d6 (docs/notes/sm-pairing.md)
+alternated `--variant V --fused-only` over the variants, three rounds, on an H100 and an
+H200 (then also with the lists taken by %smid, a kernel mode since removed: it gained
+nothing).
 
 --evict-first 0 / 1 runs the kernels without / with KernelConfig.decode_kv_evict_first
 (decode items' K/V copies under an L2 evict-first policy; either kernel, PODCUTE_ARCH
-picks; by default the variants' own choice, on): the twenty-seventh session's A/B of it
-(a mixed batch's fused time falls from about (decode bytes + every prefill row tile's
-K/V re-read from HBM) / bandwidth towards its roofline: `perf.l2_model`).
+picks; by default the variants' own choice, on): the A/B of it on an H100 (8d3e745,
+2026-12-05, docs/notes/l2-hint.md; a mixed batch's fused time falls from about (decode
+bytes + every prefill row tile's K/V re-read from HBM) / bandwidth towards its roofline:
+`perf.experiments.l2_model`).
 """
 import argparse
 import dataclasses
