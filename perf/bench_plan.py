@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from podcute import PODAttention
-from podcute.plan import Planner
+from podcute.planning import Planner
 
 
 def log(msg: str) -> None:

@@ -2,7 +2,7 @@
 
 from podcute.api import PODAttention
 from podcute.one_shot import invalidate_plans, pod_attention
-from podcute.plan import CapacityError, PlanSummary
+from podcute.planning import CapacityError, PlanSummary
 from podcute.reference import pod_attention_reference
 
 __all__ = ["PODAttention", "pod_attention", "pod_attention_reference", "PlanSummary",

@@ -18,7 +18,7 @@ from podcute.checks import (DTYPES, FP8_DTYPES, check_aligned_rows, check_dense,
 from podcute.compile import unsupported_arch_message
 from podcute.kernels.config import check_fp8_kv
 from podcute.launch import launch, require_arch, resolve_arch
-from podcute.plan import CapacityError, Plan, Planner, PlanSummary
+from podcute.planning import CapacityError, Plan, Planner, PlanSummary
 
 __all__ = ["PODAttention", "PlanSummary", "CapacityError"]
 
@@ -35,9 +35,9 @@ class PODAttention:
     ``plan()`` once per batch (host work, no GPU sync when the index tensors are on the
     CPU), then ``run()`` once per layer. Buffers are sized from the capacities
     (``max_batch_size`` requests, ``max_num_tokens`` query tokens, ``max_num_pages``
-    page-list entries: see :class:`~podcute.plan.Planner`) and grow for a bigger batch
+    page-list entries: see :class:`~podcute.planning.Planner`) and grow for a bigger batch
     only until a ``run()`` is captured in a CUDA graph; after that, ``plan()`` raises
-    :class:`~podcute.plan.CapacityError` for a batch that does not fit (README, CUDA graphs).
+    :class:`~podcute.planning.CapacityError` for a batch that does not fit (README, CUDA graphs).
     ``arch`` (or ``$PODCUTE_ARCH``) forces a kernel target, e.g. ``"sm_90"`` for the
     warp-level kernel on Hopper; by default the device's own (sm_90a on a CPU planner).
     """

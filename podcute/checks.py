@@ -12,7 +12,7 @@ import re
 import torch
 
 from podcute.kernels.config import FP8_KV_DTYPES, SUPPORTED_HEAD_DIMS, SUPPORTED_PAGE_SIZES
-from podcute.plan import F32_MAX, F32_TINY
+from podcute.planning import F32_MAX, F32_TINY
 
 __all__ = ["KV_LAYOUTS", "DTYPES", "FP8_DTYPES", "check_int", "check_head_dim", "check_sm_scale",
            "check_page_size", "check_layout", "check_index", "check_aligned_rows", "check_rows_like",

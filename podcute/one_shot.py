@@ -31,7 +31,7 @@ import torch
 from podcute.api import PODAttention
 from podcute.checks import (DTYPES, FP8_DTYPES, check_head_dim, check_layout, check_page_size,
                             check_sm_scale)
-from podcute.plan import PlanOptions
+from podcute.planning import PlanOptions
 
 __all__ = ["pod_attention", "one_shot_attention", "one_shot_for", "one_shot_fast",
            "CallPlanner", "StepPlan", "host_view", "invalidate_plans", "capturing"]

@@ -353,7 +353,7 @@ RANDOM_FEATURE_SHAPES = dict(heads=[(8, 2), (32, 4)], head_dims=[96, 128, 256],
 def _select_kwargs(c: dict) -> dict:
     """KernelConfig.select keyword arguments of a GPU test case (its defaults merged in):
     the checks return the LSE; an fp8 case names its cache type in "kv"."""
-    from podcute.plan import PlanOptions
+    from podcute.planning import PlanOptions
 
     flags = PlanOptions.make(c["causal"], c["window_size"], c["softcap"]).kernel_flags()
     kw = dict(dtype=str(c["dtype"]).replace("torch.", ""), head_dim=c["d"],

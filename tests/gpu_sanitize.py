@@ -22,7 +22,7 @@ import torch
 from podcute import PODAttention
 from podcute.kernels.config import arch_head_dims
 from podcute.launch import requested_arch
-from podcute.plan import H100_HBM_BYTES_PER_SM_CLOCK, Planner
+from podcute.planning import H100_HBM_BYTES_PER_SM_CLOCK, Planner
 from podcute.reference import pod_attention_reference
 from podcute.testing import handover_lengths, make_batch, quantize_kv_cache
 

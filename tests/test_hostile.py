@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from podcute import CapacityError, PODAttention, pod_attention
-from podcute.plan import MAX_KV_LEN, MAX_NUM_TOKENS, Planner
+from podcute.planning import MAX_KV_LEN, MAX_NUM_TOKENS, Planner
 
 HAS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 I32 = dict(dtype=torch.int32)

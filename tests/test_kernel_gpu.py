@@ -17,7 +17,7 @@ import torch
 from podcute import PODAttention
 from podcute.kernels.config import arch_head_dims
 from podcute.launch import requested_arch
-from podcute.plan import H100_HBM_BYTES_PER_SM_CLOCK as H100_HBM, Planner
+from podcute.planning import H100_HBM_BYTES_PER_SM_CLOCK as H100_HBM, Planner
 from podcute.reference import pod_attention_reference
 from podcute.testing import (CHECK_DEFAULTS, EXTRA_FEATURE_CASES, FEATURE_CASES, NUM_SPLIT_CASES,
                              RANDOM_FEATURE_PRESETS, RANDOM_FEATURE_SHAPES, WIDE_PAGES,
@@ -344,7 +344,7 @@ def _build(reqs, page, hkv, d, dtype, gen):
 def test_batch_invariant_bitwise(page):
     """The same requests in >= 20 batches (other companions, orders, lengths, and a
     planner for another SM count) give bitwise-identical out and lse."""
-    from podcute.plan import Planner
+    from podcute.planning import Planner
 
     hq, hkv, d, dtype = 32, 8, 128, torch.bfloat16
     gen = torch.Generator(device="cuda").manual_seed(page)

@@ -84,7 +84,7 @@ def test_the_flag_is_on_in_every_shipped_variant():
 def test_the_tests_switch_the_flag_by_environment(monkeypatch):
     """podcute.testing.decode_evict_first: how the GPU tests, tests/gpu_sanitize.py and the
     experiments run the kernels with or without the flag ($PODCUTE_TEST_DECODE_EVICT_FIRST)."""
-    import podcute.plan as P
+    import podcute.planning as P
     from podcute.kernels.config import KernelConfig
     from podcute.testing import DECODE_EVICT_FIRST_ENV, decode_evict_first_from_env
 

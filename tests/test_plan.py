@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 
 from podcute.kernels.config import SUPPORTED_PAGE_SIZES, KernelConfig
 from podcute.kernels.metadata import KIND_BITS, KIND_MASK, Kind, MergeCol, WorkCol
-from podcute.plan import (DEFAULT_COST_MODEL, H100_HBM_BYTES_PER_SM_CLOCK as H100_HBM,
-                          H200_HBM_BYTES_PER_SM_CLOCK, CapacityError, CostModel, Planner,
-                          PlanSummary, capacities, chip_hbm_bytes_per_sm_clock)
+from podcute.planning import (DEFAULT_COST_MODEL, H100_HBM_BYTES_PER_SM_CLOCK as H100_HBM,
+                              H200_HBM_BYTES_PER_SM_CLOCK, CapacityError, CostModel, Planner,
+                              PlanSummary, capacities, chip_hbm_bytes_per_sm_clock)
 
 KIND_PREFILL, KIND_DECODE = int(Kind.PREFILL), int(Kind.DECODE)
 
@@ -615,7 +615,7 @@ def test_cost_model_takes_each_kernels_prefill_rate():
     """The warp-level kernel's prefill runs at its own measured MMA rate (lower than
     sm_90a's), so its plans balance prefill against decode with that rate; decode's
     bytes cost the same on both."""
-    from podcute.plan import DEFAULT_COST_MODEL, Planner
+    from podcute.planning import DEFAULT_COST_MODEL, Planner
 
     hopper = Planner(32, 8, 128, 16, device="cpu")
     warp = Planner(32, 8, 128, 16, device="cpu", arch="sm_90")  # 128-row prefill items

@@ -1,4 +1,4 @@
-"""The planner's C work expansion (podcute/plan_native.c) writes the same plan as its numpy
+"""The planner's C work expansion (podcute/planning/native.c) writes the same plan as its numpy
 code, bit for bit: work rows, CTA lists, merges, slot list, and the predictions, on random
 batches of every kind (prefill / decode / mixed, windows, batch invariance, CSR, other
 grids and tile shapes), and on batches that exceed a capacity (the numpy path grows)."""
@@ -8,8 +8,8 @@ import random
 import numpy as np
 import pytest
 
-from podcute import plan_native
-from podcute.plan import H100_HBM_BYTES_PER_SM_CLOCK, Planner
+from podcute.planning import native as plan_native
+from podcute.planning import H100_HBM_BYTES_PER_SM_CLOCK, Planner
 from podcute.testing import mixed_lengths
 
 pytestmark = pytest.mark.skipif(plan_native.load() is None,

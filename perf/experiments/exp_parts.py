@@ -33,7 +33,7 @@ import torch
 
 from perf import workloads as W
 from perf.timing import time_gpu
-import podcute.plan as P
+import podcute.planning as P
 from podcute import PODAttention
 from podcute.testing import decode_evict_first, make_batch
 

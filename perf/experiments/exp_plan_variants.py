@@ -20,7 +20,7 @@ import torch
 from perf import workloads as W
 from perf.experiments.exp_group_kinds import regroup
 from perf.timing import time_gpu
-import podcute.plan as P
+import podcute.planning as P
 from podcute import PODAttention
 from podcute.testing import make_batch
 

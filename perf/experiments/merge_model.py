@@ -30,7 +30,7 @@ import numpy as np
 
 from perf import workloads as W
 from perf.experiments.exp_plan_variants import SWEEP
-import podcute.plan as P
+import podcute.planning as P
 from podcute.kernels.metadata import MergeCol, WorkCol
 from podcute.kernels.split_merge import COLS_PER_THREAD, SPLITS_IN_FLIGHT
 from podcute.testing import make_batch

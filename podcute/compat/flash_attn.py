@@ -55,7 +55,7 @@ import torch
 
 from podcute.checks import check_sm_scale
 from podcute.one_shot import StepPlan, one_shot_fast, one_shot_for
-from podcute.plan import PlanOptions
+from podcute.planning import PlanOptions
 
 __all__ = ["flash_attn_varlen_func", "flash_attn_varlen_plan", "flash_attn2_varlen_func",
            "flash_attn3_varlen_func", "flash_attn4_varlen_func", "ORDERS", "StepPlan"]

@@ -67,7 +67,7 @@ import torch
 from podcute.api import PODAttention
 from podcute.checks import (DTYPES, FP8_DTYPES, KV_LAYOUTS, check_index, check_int,
                             renamed_errors, same_device, scale_tensor)
-from podcute.plan import CapacityError, host_arrays
+from podcute.planning import CapacityError, host_arrays
 
 __all__ = ["BatchPODWithPagedKVCacheWrapper", "PODWithPagedKVCacheWrapper", "BatchAttention",
            "unpack_paged_kv_cache", "LOG2E"]

@@ -1,12 +1,17 @@
-"""The planner's work expansion in C (`plan_native.c`): the same plan as
-`Planner._layout_numpy`, bit for bit, without numpy's per-call overhead (a plan of one
-decode costs ~100 numpy calls there; in C the expansion is a few microseconds at any size).
+"""The planner's work expansion in C (`native.c`): the same plan as
+`Planner._layout_numpy` (expand.py), bit for bit, without numpy's per-call overhead (a plan
+of one decode costs ~100 numpy calls there; in C the expansion is a few microseconds at any
+size). The two must stay bit-identical, so a change to either needs the same change, with
+the same floating-point operations in the same order, in the other.
 
 Built on first use with the system's C compiler (``$CC`` or ``cc``) into the kernel cache
 root (``$PODCUTE_CACHE_DIR`` or ``~/.cache/podcute``), keyed by the source's hash, and
 loaded with ctypes. Without a compiler (or with ``PODCUTE_PLANNER=numpy``) the planner
 uses the numpy code: same plans, slower. ``tests/test_plan_native.py`` checks that the two
 agree on random batches of every kind.
+
+This module reads what it needs from the planner it is handed (``build(planner, ...)``)
+and imports only the plan's types, not the planner (which imports it).
 """
 
 from __future__ import annotations
@@ -22,14 +27,15 @@ from pathlib import Path
 import numpy as np
 
 from podcute.kernels.metadata import MERGE_COLS, WORK_COLS, Kind, MergeCol, WorkCol
+from podcute.planning.types import INVARIANT_SPLIT_TOKENS, Layout
 
-_SOURCE = Path(__file__).with_name("plan_native.c")
+_SOURCE = Path(__file__).with_name("native.c")
 _I64, _F64 = ctypes.c_int64, ctypes.c_double
 _P = ctypes.c_void_p
 
 
 class _PlanIO(ctypes.Structure):
-    """PlanIO of plan_native.c, field for field."""
+    """PlanIO of native.c, field for field."""
 
     _fields_ = [
         ("B", _I64), ("q_len", _P), ("kv_len", _P),
@@ -60,8 +66,6 @@ class _Buffers:
     """One planner's constant fields and output buffers (for one buffer epoch)."""
 
     def __init__(self, planner):
-        from podcute.plan import INVARIANT_SPLIT_TOKENS
-
         cfg, k, cap, c = planner.config, planner.config.kernel, planner.capacity, planner.cost
         self.epoch = planner.buffer_epoch
         grid = planner.grid
@@ -120,8 +124,6 @@ class NativeBuilder:
         """The batch's Layout (the rows written to the planner's staging buffers), or
         None when a capacity would be exceeded (the numpy path then grows the buffers or
         raises, as it does)."""
-        from podcute.plan import Layout
-
         bufs = planner.__dict__.get("_native_bufs")
         if bufs is None or bufs.epoch != planner.buffer_epoch:
             bufs = planner._native_bufs = _Buffers(planner)
@@ -152,7 +154,7 @@ class NativeBuilder:
                       swaps, fixes, io.n0p, io.n0d, io.n_prefill_req, io.n_decode_req, order)
 
 
-# The C side writes rows by these column numbers (plan_native.c's enums).
+# The C side writes rows by these column numbers (native.c's enums).
 assert (tuple(WorkCol) == tuple(range(WORK_COLS)) and WORK_COLS == 8
         and WorkCol.KIND == 7 and WorkCol.SPLIT_SLOT == 6 and WorkCol.KV_START == 4)
 assert tuple(MergeCol) == tuple(range(MERGE_COLS)) and MergeCol.NUM_SPLITS == 5
@@ -167,7 +169,7 @@ def _cache_root() -> Path:
 
 
 def _build_library() -> Path:
-    """Compile plan_native.c (once per source version) and return the library's path."""
+    """Compile native.c (once per source version) and return the library's path."""
     src = _SOURCE.read_bytes()
     digest = hashlib.sha256(src).hexdigest()[:16]
     root = _cache_root()
