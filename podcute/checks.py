@@ -34,31 +34,28 @@ def check_int(name, v, allowed=None, positive=True):
         raise ValueError(f"{name} must be >= 1, got {v}")
 
 
-def check_head_dim(head_dim, name: str = "head_dim") -> None:
-    """A head dim podcute compiles, else NotImplementedError (a positive int: a model's
-    head size the kernels lack) or TypeError/ValueError (no head size at all)."""
-    if head_dim in SUPPORTED_HEAD_DIMS and type(head_dim) is int:
+def _check_size(value, supported: tuple, name: str) -> None:
+    """One of the sizes podcute compiles, else NotImplementedError (a positive int: a size
+    models or engines use that the kernels lack) or TypeError/ValueError (no size at all)."""
+    if value in supported and type(value) is int:
         return
-    if isinstance(head_dim, bool) or not isinstance(head_dim, int):
-        raise TypeError(f"{name} must be an int, got {type(head_dim).__name__}")
-    if head_dim < 1:
-        raise ValueError(f"{name} must be >= 1, got {head_dim}")
-    raise NotImplementedError(f"{name}={head_dim} is not supported by podcute (supported: "
-                              f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))})")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    raise NotImplementedError(f"{name}={value} is not supported by podcute (supported: "
+                              f"{', '.join(map(str, supported))})")
+
+
+def check_head_dim(head_dim, name: str = "head_dim") -> None:
+    """A head dim podcute compiles (SUPPORTED_HEAD_DIMS): _check_size."""
+    _check_size(head_dim, SUPPORTED_HEAD_DIMS, name)
 
 
 def check_page_size(page_size, name: str = "page_size") -> None:
-    """A page size podcute compiles (SUPPORTED_PAGE_SIZES), else NotImplementedError (a
-    positive int: a page size engines may use, e.g. FlashAttention 2's 512) or
-    TypeError/ValueError (no page size at all)."""
-    if page_size in SUPPORTED_PAGE_SIZES and type(page_size) is int:
-        return
-    if isinstance(page_size, bool) or not isinstance(page_size, int):
-        raise TypeError(f"{name} must be an int, got {type(page_size).__name__}")
-    if page_size < 1:
-        raise ValueError(f"{name} must be >= 1, got {page_size}")
-    raise NotImplementedError(f"{name}={page_size} is not supported by podcute (supported: "
-                              f"{', '.join(map(str, SUPPORTED_PAGE_SIZES))})")
+    """A page size podcute compiles (SUPPORTED_PAGE_SIZES; FlashAttention 2's 512 is not
+    one): _check_size."""
+    _check_size(page_size, SUPPORTED_PAGE_SIZES, name)
 
 
 def check_sm_scale(sm_scale, name: str = "sm_scale") -> None:
