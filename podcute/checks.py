@@ -15,7 +15,8 @@ from podcute.kernels.config import FP8_KV_DTYPES, SUPPORTED_HEAD_DIMS, SUPPORTED
 from podcute.planning import F32_MAX, F32_TINY
 
 __all__ = ["KV_LAYOUTS", "DTYPES", "FP8_DTYPES", "check_int", "check_head_dim", "check_sm_scale",
-           "check_page_size", "check_layout", "check_index", "check_aligned_rows", "check_rows_like",
+           "check_page_size", "check_layout", "check_index", "check_aligned_rows",
+           "check_rows_like",
            "check_dense", "check_distinct", "check_out_memory", "overlapped", "byte_range",
            "extent", "scale_tensor", "same_device", "renamed_errors"]
 

@@ -16,6 +16,7 @@ pytestmark = pytest.mark.skipif(HAS_HOPPER, reason="CPU-planning paths (run() ra
 
 HQ, HKV, D, PS = 8, 2, 128, 16
 I32 = dict(dtype=torch.int32)
+CPU = torch.device("cpu")
 
 
 def batch():
@@ -137,7 +138,7 @@ def test_descales_as_vllm_passes_them(monkeypatch):
                   v_descale=scalar.expand(shape))
     assert seen["k_scale"].shape == (HKV,) and seen["k_scale"].data_ptr() == per_head.data_ptr()
     assert seen["v_scale"].shape == (1,) and seen["v_scale"].data_ptr() == scalar.data_ptr()
-    att = one_shot_module.one_shot_attention(HQ, HKV, D, PS, torch.bfloat16, "NHD", torch.device("cpu"),
+    att = one_shot_module.one_shot_attention(HQ, HKV, D, PS, torch.bfloat16, "NHD", CPU,
                                  kv_dtype=torch.float8_e4m3fn, scalars=FA_SCALARS)[0]
     assert att.current_plan.kv_len.tolist() == [40, 17]
     with pytest.raises(ValueError, match="k_descale"):
@@ -369,11 +370,11 @@ def test_layer_path_finds_each_configuration(launches):
               v=torch.randn(8, 16, 16, D, dtype=torch.bfloat16))
     pod_call(sq)
     pod_call(sq, kv_layout="HND")
-    hnd = one_shot_module.one_shot_attention(16, 16, D, 16, torch.bfloat16, "HND", torch.device("cpu"),
+    hnd = one_shot_module.one_shot_attention(16, 16, D, 16, torch.bfloat16, "HND", CPU,
                                  scalars=POD_SCALARS)[0]
     assert launches[-1][0] is hnd.current_plan
     pod_call(sq)
-    nhd = one_shot_module.one_shot_attention(16, 16, D, 16, torch.bfloat16, "NHD", torch.device("cpu"),
+    nhd = one_shot_module.one_shot_attention(16, 16, D, 16, torch.bfloat16, "NHD", CPU,
                                  scalars=POD_SCALARS)[0]
     assert launches[-1][0] is nhd.current_plan and nhd is not hnd
 
