@@ -307,8 +307,7 @@ def test_fa3_keyword_defaults_and_what_they_switch_on(launches):
                            pack_gqa=None, deterministic=False, sm_margin=0, page_table=b["bt"])
     assert launched(launches) == expected(b)
     for kw, name in ((dict(attention_chunk=128), "attention_chunk"),
-                     (dict(qv=torch.randn(21, HQ, 64)), "q_v"),
-                     (dict(seqused_q=b["kvl"]), "seqused_q")):
+                     (dict(qv=torch.randn(21, HQ, 64)), "q_v")):
         with pytest.raises(NotImplementedError, match=name):
             flash_attn_varlen_func(b["q"], b["k"], b["v"], b["cu"], cu_k, 20, 40,
                                    page_table=b["bt"], **kw)
@@ -380,3 +379,21 @@ def test_fa4_keyword_call_with_qv_first(launches):
     res = flash_attn_varlen_func(b["q"], b["k"], b["v"], cu_seqlens_q=b["cu"], seqused_k=b["kvl"],
                                  page_table=b["bt"], causal=True, min_seqlen_k=1)
     assert isinstance(res, tuple) and res[1] is None
+
+
+def test_fa3_seqused_q_plans_the_used_rows(launches):
+    """FlashAttention 3's seqused_q: request i uses its first seqused_q[i] rows; the rest
+    become a request of their own with no KV (0 and -inf), so every row keeps its place."""
+    b = batch()
+    k = torch.randn(60, HKV, D, dtype=torch.bfloat16)
+    cu_k = torch.tensor([0, 45, 60], **I32)
+    flash_attn_varlen_func(b["q"], k, k.clone(), b["cu"], cu_k, 20, 45,
+                           seqused_q=torch.tensor([12, 1], **I32),
+                           seqused_k=torch.tensor([40, 12], **I32), causal=True)
+    p = launches[-1][0]
+    assert p.q_start.tolist() == [0, 12, 20, 21, 21]
+    assert p.kv_len.tolist() == [40, 0, 12, 0]
+    assert p.page_start.tolist()[::2] == [0, 45]
+    with pytest.raises(ValueError, match="seqused_q"):
+        flash_attn_varlen_func(b["q"], k, k.clone(), b["cu"], cu_k, 20, 45,
+                               seqused_q=torch.tensor([21, 1], **I32), causal=True)

@@ -55,7 +55,7 @@ import torch
 
 from podcute.checks import check_sm_scale
 from podcute.one_shot import StepPlan, one_shot_fast, one_shot_for
-from podcute.planning import PlanOptions
+from podcute.planning import PlanOptions, host_arrays
 
 __all__ = ["flash_attn_varlen_func", "flash_attn_varlen_plan", "flash_attn2_varlen_func",
            "flash_attn3_varlen_func", "flash_attn4_varlen_func", "ORDERS", "StepPlan"]
@@ -106,7 +106,6 @@ _FA4_ONLY = frozenset(("learnable_sink", "score_mod", "return_lse", "min_seqlen_
                        "seqlen_k_per_split", "disable_scheduler_metadata"))
 # Arguments that change the result and podcute lacks: (name, why), refused when not None.
 _UNSUPPORTED = (("alibi_slopes", "no ALiBi"), ("q_v", "no separate value-query (MLA) input"),
-                ("seqused_q", "query lengths come from cu_seqlens_q"),
                 ("cp_tot_seqused_k", "no context parallelism"),
                 ("score_mod", "no score modifiers"), ("score_mod_bwd", "inference only"),
                 ("aux_tensors", "no score modifiers"), ("aux_scalars", "no score modifiers"),
@@ -373,6 +372,7 @@ def _run_one_shot(q, k, v, a: dict, want_lse: bool):
     serves it (podcute.one_shot), else the argument mapping and plan()."""
     bt, seqused_k, causal = a["block_table"], a["seqused_k"], a["causal"]
     if (bt is not None and seqused_k is not None and a["cu_seqlens_k"] is None
+            and a["seqused_q"] is None
             and type(a["max_seqlen_q"]) is int and type(a["max_seqlen_k"]) is int
             and (causal is True or causal is False)
             and (a["q_descale"] is None or type(a["q_descale"]) is torch.Tensor)):
@@ -482,7 +482,7 @@ class _Call:
             if seqused_k is None:
                 _check_indptr(cu_seqlens_k)
             pages = dict(block_table=block_table)
-            index_args = (cu_seqlens_q, seqused_k, cu_seqlens_k, block_table)
+            index_args = (cu_seqlens_q, seqused_k, cu_seqlens_k, block_table, a["seqused_q"])
             kv_name = "seqused_k" if seqused_k is not None else "cu_seqlens_k"
         else:
             # Contiguous varlen K/V [total_k, Hkv, D]: pages of one token, CSR indices 0..n-1.
@@ -495,7 +495,7 @@ class _Call:
             _check_indptr(cu_seqlens_k)
             k_cache, v_cache = k.unsqueeze(1), v.unsqueeze(1)
             pages = dict(kv_indptr=cu_seqlens_k, kv_indices=_token_pages(k.shape[0]))
-            index_args = (cu_seqlens_q, cu_seqlens_k, seqused_k)
+            index_args = (cu_seqlens_q, cu_seqlens_k, seqused_k, a["seqused_q"])
             kv_name = "cu_seqlens_k" if seqused_k is None else "seqused_k"
 
         att, planner = one_shot_for(q, k_cache, v_cache, "NHD", where=_WHERE,
@@ -510,13 +510,45 @@ class _Call:
             # KV lengths from seqused_k, else from cu_seqlens_k (a device op when it lives
             # there: done only when a call plans, and read back in plan()'s one copy).
             kv_lens = seqused_k if seqused_k is not None else cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+            cu, lens, pg = cu_seqlens_q, kv_lens, pages
+            if a["seqused_q"] is not None:
+                cu, lens, pg = _used_rows(a["seqused_q"], cu_seqlens_q, kv_lens, pages)
             try:
-                att.plan(cu_seqlens_q, kv_lens, causal=causal, sm_scale=a["softmax_scale"],
-                         window_size=window, softcap=softcap, _kv_name=kv_name, **pages)
+                att.plan(cu, lens, causal=causal, sm_scale=a["softmax_scale"],
+                         window_size=window, softcap=softcap, _kv_name=kv_name, **pg)
             except (TypeError, ValueError) as err:
                 raise type(err)(_WHERE + _renamed(str(err), block_table is None)) from err
 
         return _Call(att, planner, k_cache, v_cache, scales, index_args, scalars, plan)
+
+
+def _used_rows(seqused_q, cu_seqlens_q, kv_lens, pages: dict) -> tuple:
+    """FlashAttention 3's seqused_q (request i uses the first seqused_q[i] of its rows from
+    cu_seqlens_q[i]) as a podcute batch: each request followed by a request of its unused
+    rows with no KV (they see no key: out 0, lse -inf), so every row keeps its place.
+    Returns (cu_seqlens_q, kv_lens, page arguments) of that batch, host arrays."""
+    h = host_arrays({"seqused_q": seqused_q, "cu_seqlens_q": cu_seqlens_q, "kv_lens": kv_lens,
+                     **pages})
+    cu = h["cu_seqlens_q"].astype(np.int64).reshape(-1)
+    used = h["seqused_q"].astype(np.int64).reshape(-1)
+    B = cu.size - 1
+    if used.shape != (B,) or (used < 0).any() or (used > cu[1:] - cu[:-1]).any():
+        raise ValueError(f"{_WHERE}seqused_q must hold B={B} counts, each between 0 and its "
+                         "request's rows in cu_seqlens_q")
+    cu2 = np.empty(2 * B + 1, np.int64)
+    cu2[0], cu2[1::2], cu2[2::2] = cu[0], cu[:-1] + used, cu[1:]
+    kv2 = np.zeros(2 * B, np.int64)
+    kv2[0::2] = h["kv_lens"].reshape(-1)
+    if "block_table" in pages:
+        bt = h["block_table"]
+        pg = dict(block_table=np.zeros((2 * B, bt.shape[1]), np.int32))
+        pg["block_table"][0::2] = bt
+    else:
+        ip = h["kv_indptr"].astype(np.int64)
+        ip2 = np.empty(2 * B + 1, np.int64)
+        ip2[0], ip2[1::2], ip2[2::2] = ip[0], ip[1:], ip[1:]
+        pg = dict(kv_indptr=ip2.astype(np.int32), kv_indices=h["kv_indices"])
+    return cu2.astype(np.int32), kv2.astype(np.int32), pg
 
 
 def _renamed(msg: str, contiguous: bool) -> str:
