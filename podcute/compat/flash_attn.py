@@ -22,8 +22,13 @@ Every keyword of those versions is accepted (``block_table``/``page_table``,
 
 - paged: ``block_table`` [B, max_blocks] int32 with caches [num_blocks, block_size,
   Hkv, D] and the KV lengths in ``seqused_k`` (or, FA2 style, ``cu_seqlens_k``);
-- contiguous varlen: ``k``/``v`` [total_k, Hkv, D] with ``cu_seqlens_k``; served as pages
-  of one token (the kernel's gathered-page class).
+- contiguous varlen: ``k``/``v`` [total_k, Hkv, D] with ``cu_seqlens_k`` (and, as
+  FlashAttention 3 allows, ``seqused_k`` rows used from each offset); served as pages of
+  one token (the kernel's gathered-page class).
+
+FlashAttention 3's ``seqused_q`` (request i uses its first ``seqused_q[i]`` rows) is
+served by planning each request's unused rows as a request with no KV (they get 0 and
+-inf; FlashAttention leaves them unwritten).
 
 ``softmax_lse`` is [Hq, total_q] float32 (natural log; FlashAttention's varlen layout;
 rows of padding tokens past ``cu_seqlens_q[-1]`` are left unwritten).
