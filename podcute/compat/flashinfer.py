@@ -38,7 +38,9 @@ How FlashInfer's conventions map onto podcute:
   bf16/fp16 ``q_data_type``; run()'s ``k_scale``/``v_scale`` (Python floats as FlashInfer
   takes them, or podcute's float32 device tensors of shape [] or [Hkv]) dequantise the
   cache, keys ``k * k_scale`` and values ``v * v_scale``, inside the kernel
-  (``PODAttention.run``). With a 16-bit cache they must be None or 1. One difference from
+  (``PODAttention.run``). With a 16-bit cache ``k_scale`` must be None or 1 and
+  ``v_scale`` (a float or one-element tensor) multiplies the output, as FlashInfer's
+  does (the LSE is unscaled). One difference from
   FlashInfer: its ``BatchPODWithPagedKVCacheWrapper.run`` scales only the decode side
   (its prefill side computes on the unscaled fp8 values); here both sides read the same
   cache in one launch, and the scales apply to both;
@@ -386,11 +388,11 @@ class BatchPODWithPagedKVCacheWrapper(_Wrapper):
     kernel q_p and q_d as one q (a view when q_d's rows directly follow q_p's in memory,
     else one copy into a wrapper-owned staging buffer) and returns views of one output.
 
-    Limits of the one-launch design (each raises a named error):
+    Limits of the one-launch design (each raises a named error, except the first):
 
-    - one KV cache: ``paged_kv_cache_p`` and ``paged_kv_cache_d`` must be the same
-      tensor(s) (the normal case, one layer's cache); different caches raise
-      NotImplementedError;
+    - one KV cache per launch: when ``paged_kv_cache_p`` and ``paged_kv_cache_d`` are
+      different tensors, each side runs over its own cache (two launches, each side
+      planned on first use from plan()'s copies; the decode side without a mask);
     - ``q_p`` must have exactly ``qo_indptr_p[-1]`` rows (FlashInfer's documented shape)
       since the decode rows follow them; ``q_d`` may have padding rows past
       ``qo_indptr_d[-1]`` (never written);
