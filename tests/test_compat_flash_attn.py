@@ -428,3 +428,23 @@ def test_inference_mode_metadata(launches):
                                block_table=b["bt"], causal=True)
         meta = torch.zeros(3, device="meta", dtype=torch.int32)
         assert host_view(meta) is None  # (device values are never compared)
+
+
+def test_a_layers_call_takes_the_per_layer_path(launches, monkeypatch):
+    """After the step's first call, a vLLM-form call with unchanged metadata launches
+    without mapping its arguments again (_Call.of): the per-layer path's index tuple
+    must be the planned one's."""
+    from podcute.compat import flash_attn as fa
+
+    b = batch()
+    vllm = dict(seqused_k=b["kvl"], block_table=b["bt"], causal=True)
+    flash_attn_varlen_func(b["q"], b["k"], b["v"], 20, b["cu"], 40, **vllm)
+    mapped = []
+    of = fa._Call.of
+    monkeypatch.setattr(fa._Call, "of", staticmethod(lambda *a: mapped.append(1) or of(*a)))
+    for _ in range(3):
+        flash_attn_varlen_func(b["q"], b["k"], b["v"], 20, b["cu"], 40, **vllm)
+    assert not mapped and launches[-1][0] is launches[0][0]
+    b["kvl"].numpy()[1] = 16  # a new step: the full path plans it
+    flash_attn_varlen_func(b["q"], b["k"], b["v"], 20, b["cu"], 40, **vllm)
+    assert mapped == [1] and launches[-1][0].kv_len.tolist() == [40, 16]

@@ -385,8 +385,9 @@ def _run_one_shot(q, k, v, a: dict, want_lse: bool):
         # refusals are _varlen's): launch straight away if the last paged call's plan of
         # its kind serves it.
         scalars = _scalars(causal, a["softmax_scale"], a["window_size"], a["softcap"])
-        att = one_shot_fast(_LAST, ("paged", scalars), (a["cu_seqlens_q"], seqused_k, None, bt),
-                            scalars, q, k, v, a["out"])
+        # (the index tuple of _Call.of's paged form, whose plan this reuses)
+        index = (a["cu_seqlens_q"], seqused_k, None, bt, None)
+        att = one_shot_fast(_LAST, ("paged", scalars), index, scalars, q, k, v, a["out"])
         if att is not None:
             B = att._plan.batch_size
             return _run(att, att._plan, q, k, v, a["out"], _sinks(a["s_aux"]), want_lse,
