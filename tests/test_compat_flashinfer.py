@@ -185,7 +185,8 @@ def test_batch_pod_separate_caches_run_each_side_on_its_own():
     q_p, q_d, kv = pod_inputs()
     with raises(RuntimeError, "Hopper"):  # planned per side, then the device check
         w.run(q_p, kv, q_d, kv.clone())
-    p, d = w._sides[False]
+    causal, (p, d) = w._sides
+    assert causal is False
     assert p.current_plan.batch_size + d.current_plan.batch_size == w._batch.cu.size - 1
     assert not d.current_plan.causal
     # the same cache given two ways is one cache

@@ -9,10 +9,10 @@ One function takes the calls of every FlashAttention flavour an engine or its te
 - upstream FlashAttention 2, 3 and 4, whose fourth argument is ``cu_seqlens_q`` (a
   tensor where vLLM has an int) and whose orders part after ``max_seqlen_k`` (FA2:
   ``dropout_p, softmax_scale, causal, window_size, ...``; FA3: ``seqused_q, seqused_k,
-  softmax_scale, causal, qv, ...``; FA4: ``seqused_q, seqused_k, page_table,
-  softmax_scale, causal, ...``: :data:`ORDERS`). The flavour is told by the positional
-  arguments and by keywords only one flavour has; FA4's call (``learnable_sink``,
-  ``score_mod``, ``return_lse``, ...) returns ``(out, lse)`` as FA4 does. For an exact
+  softmax_scale, causal, qv, ...``: :data:`ORDERS`). FlashAttention 4's fourth argument is
+  ``qv``, so its calls name their arguments; a call with a keyword only FA4 has
+  (``learnable_sink``, ``return_lse``, ``min_seqlen_k``, ...) returns ``(out, lse)`` as FA4
+  does. For an exact
   signature import :func:`flash_attn2_varlen_func`, :func:`flash_attn3_varlen_func`
   or :func:`flash_attn4_varlen_func`.
 
@@ -283,6 +283,16 @@ def _check_kv(k, v, ndim: int) -> None:
                                   "supported by podcute")
 
 
+def _caches(k, v, paged: bool) -> tuple:
+    """k and v as the kernel's caches: paged [num_blocks, block_size, Hkv, D] as they
+    are, contiguous [total_k, Hkv, D] as pages of one token (a view)."""
+    if paged:
+        _check_kv(k, v, 4)
+        return k, v
+    _check_kv(k, v, 3)
+    return k.unsqueeze(1), v.unsqueeze(1)
+
+
 def _check_indptr(cu_seqlens_k) -> None:
     if not isinstance(cu_seqlens_k, torch.Tensor) or cu_seqlens_k.dim() != 1:
         raise TypeError(f"{_WHERE}cu_seqlens_k must be a 1-D int32 tensor")
@@ -331,11 +341,10 @@ def flash_attn3_varlen_func(q, k, v, *args, **kwargs):
 
 
 def flash_attn4_varlen_func(q, k, v, *args, **kwargs):
-    """FlashAttention 4's (``flash_attn.cute``) order: ``cu_seqlens_q, cu_seqlens_k,
-    max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, page_table, softmax_scale, causal,
-    window_size, learnable_sink, softcap, num_splits, pack_gqa, deterministic, score_mod,
-    aux_tensors, return_lse``; returns ``(out, lse)`` (lse [Hq, total_q] with
-    ``return_lse``, else None)."""
+    """FlashAttention 4's (``flash_attn.cute``) order: ``qv, cu_seqlens_q, cu_seqlens_k,
+    max_seqlen_q, max_seqlen_k, min_seqlen_k, seqused_q, seqused_k, gather_kv_indices,
+    page_table, softmax_scale, causal, ...`` (``ORDERS["fa4"]``); returns ``(out, lse)``
+    (lse [Hq, total_q] with ``return_lse``, else None)."""
     return _varlen(q, k, v, *_bind("fa4", args, kwargs))
 
 
@@ -358,12 +367,7 @@ def _run_named(q, k, v, a: dict, handle: StepPlan, want_lse: bool):
     scalars = _scalars(a["causal"], a["softmax_scale"], a["window_size"], a["softcap"])
     handle.check(scalars, _WHERE)
     att = handle.attn
-    if a["block_table"] is not None:
-        _check_kv(k, v, 4)
-        k_cache, v_cache = k, v
-    else:
-        _check_kv(k, v, 3)
-        k_cache, v_cache = k.unsqueeze(1), v.unsqueeze(1)
+    k_cache, v_cache = _caches(k, v, paged=a["block_table"] is not None)
     plan = handle.plan
     att._check_tensors(plan, q, k_cache, v_cache, a["out"])
     B = plan.batch_size
@@ -430,6 +434,7 @@ def flash_attn_varlen_plan(q, k, v, *args, **kwargs) -> StepPlan:
     ``q``, ``k``, ``v`` give shapes, dtype and device only. It always plans: the handle
     names the metadata its tensors hold now."""
     a, _ = _bind(None, args, kwargs)
+    _check_semantics(a)
     call = _Call.of(q, k, v, a)
     call.planner.invalidate()
     att = call.plan()
@@ -456,7 +461,7 @@ class _Call:
     def of(q, k, v, a: dict) -> "_Call":
         cu_seqlens_q, cu_seqlens_k, seqused_k = a["cu_seqlens_q"], a["cu_seqlens_k"], a["seqused_k"]
         block_table, causal = a["block_table"], a["causal"]
-        _check_semantics(a)
+        # (the refusals, _check_semantics, are the callers': _varlen, flash_attn_varlen_plan)
         if a["q_descale"] is not None and not isinstance(a["q_descale"], torch.Tensor):
             raise TypeError(f"{_WHERE}q_descale must be a float32 tensor or None, got "
                             f"{type(a['q_descale']).__name__}")
@@ -480,11 +485,10 @@ class _Call:
         if block_table is not None:
             # Paged: caches [num_blocks, block_size, Hkv, D], lengths in seqused_k (vLLM) or
             # cu_seqlens_k (upstream FlashAttention 2).
-            _check_kv(k, v, 4)
+            k_cache, v_cache = _caches(k, v, paged=True)
             if (seqused_k is None) == (cu_seqlens_k is None):
                 raise ValueError(f"{_WHERE}with block_table pass exactly one of seqused_k or "
                                  "cu_seqlens_k (the KV lengths)")
-            k_cache, v_cache = k, v
             if seqused_k is None:
                 _check_indptr(cu_seqlens_k)
             pages = dict(block_table=block_table)
@@ -492,14 +496,13 @@ class _Call:
             kv_name = "seqused_k" if seqused_k is not None else "cu_seqlens_k"
         else:
             # Contiguous varlen K/V [total_k, Hkv, D]: pages of one token, CSR indices 0..n-1.
-            _check_kv(k, v, 3)
+            k_cache, v_cache = _caches(k, v, paged=False)
             # (FlashAttention 3: seqused_k, if given, is how many of a request's rows from
             # cu_seqlens_k[i] it uses.)
             if cu_seqlens_k is None:
                 raise ValueError(f"{_WHERE}without block_table pass cu_seqlens_k (contiguous "
                                  "K/V)")
             _check_indptr(cu_seqlens_k)
-            k_cache, v_cache = k.unsqueeze(1), v.unsqueeze(1)
             pages = dict(kv_indptr=cu_seqlens_k, kv_indices=_token_pages(k.shape[0]))
             index_args = (cu_seqlens_q, cu_seqlens_k, seqused_k, a["seqused_q"])
             kv_name = "cu_seqlens_k" if seqused_k is None else "seqused_k"

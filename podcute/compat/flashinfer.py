@@ -69,6 +69,7 @@ import torch
 from podcute.api import PODAttention
 from podcute.checks import (DTYPES, FP8_DTYPES, KV_LAYOUTS, check_index, check_int,
                             renamed_errors, same_device, scale_tensor)
+from podcute.one_shot import capturing
 from podcute.planning import CapacityError, host_arrays
 
 __all__ = ["BatchPODWithPagedKVCacheWrapper", "PODWithPagedKVCacheWrapper", "BatchAttention",
@@ -232,10 +233,6 @@ def _workspace_device(buf, name="float_workspace_buffer") -> torch.device:
         raise ValueError(f"{name} must be on a CUDA device (or the CPU, to plan on the host "
                          f"only), got {buf.device}")
     return buf.device
-
-
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _int32(name, a: np.ndarray) -> np.ndarray:
@@ -414,7 +411,7 @@ class BatchPODWithPagedKVCacheWrapper(_Wrapper):
         self._causal = False  # causal_p of the last run(): what plan() plans
         self._staging: dict = {}  # PODAttention -> q buffer [rows, Hq, D]
         self._captured_rows_p = None  # q_p's rows in a captured run()
-        self._sides = None  # causal_p -> per-side PODAttentions (separate caches)
+        self._sides = None  # (causal_p, [prefill, decode] PODAttentions): separate caches
 
     @property
     def is_cuda_graph_enabled(self) -> bool:
@@ -480,7 +477,7 @@ class BatchPODWithPagedKVCacheWrapper(_Wrapper):
         """The wrapper-owned q buffer with >= rows rows; it grows only until a capture."""
         buf = self._staging.get(attn)
         if buf is None or buf.shape[0] < rows:
-            if attn.planner.frozen or _capturing():
+            if attn.planner.frozen or capturing():
                 raise CapacityError(f"q_p and q_d need {rows} rows of the q staging buffer, "
                                     f"which holds {0 if buf is None else buf.shape[0]} and cannot "
                                     "grow under a CUDA graph: run() once eagerly with the "
@@ -522,7 +519,7 @@ class BatchPODWithPagedKVCacheWrapper(_Wrapper):
                 "supported: FlashInfer runs the decode batch without a mask, podcute masks "
                 "its one launch one way (supported: causal_p=False, or decode q_len 1)")
         if attn.current_plan.causal != causal_p:
-            if _capturing():
+            if capturing():
                 raise RuntimeError(f"run(causal_p={causal_p}) under CUDA-graph capture needs a "
                                    "new plan; run it once eagerly before capturing")
             self._plan_batch(causal_p)
@@ -533,7 +530,7 @@ class BatchPODWithPagedKVCacheWrapper(_Wrapper):
             q = self._stage_rows(attn, rows)[:rows]
             torch.cat((q_p, q_d), out=q)
         res = attn.run(q, k, v, return_lse=return_lse, **scales)
-        if _capturing():
+        if capturing():
             self._captured_rows_p = b.total_p
         n = q_p.shape[0]
         if not return_lse:
@@ -551,9 +548,8 @@ class BatchPODWithPagedKVCacheWrapper(_Wrapper):
         (one podcute launch reads one cache), each side planned from the plan()'s copies
         on first use (the decode side without a mask, as FlashInfer runs it)."""
         b = self._batch
-        sides = self._sides.get(causal_p) if self._sides is not None else None
-        if sides is None:
-            if _capturing():
+        if self._sides is None or self._sides[0] != causal_p:
+            if capturing():
                 raise RuntimeError("run() with separate prefill and decode caches under "
                                    "CUDA-graph capture needs new plans; run it once eagerly "
                                    "before capturing")
@@ -572,7 +568,8 @@ class BatchPODWithPagedKVCacheWrapper(_Wrapper):
                     attn.plan(cu, kv_indptr=indptr, kv_indices=indices, last_page_len=last,
                               causal=causal, sm_scale=b.sm_scale, window_size=b.window)
                 sides.append(attn)
-            self._sides = {causal_p: sides}  # (a side's attention holds one plan)
+            self._sides = (causal_p, sides)  # (a side's attention holds one plan)
+        sides = self._sides[1]
         res = []
         for attn, q, (k, v), rows in ((sides[0], q_p, cache_p, b.total_p),
                                       (sides[1], q_d, cache_d, b.total_d)):
@@ -791,7 +788,7 @@ class PODWithPagedKVCacheWrapper(_Wrapper):
                 kv_len, causal_p, sm_scale_p, window_p):
             key = (q_p.shape[0], kv_len, causal_p, sm_scale_p, window_p)
             if self._fused_key != key:
-                if _capturing():
+                if capturing():
                     raise RuntimeError("the prefill's shape or settings changed under "
                                        "CUDA-graph capture; run() once eagerly with them "
                                        "before capturing")
@@ -875,7 +872,7 @@ class PODWithPagedKVCacheWrapper(_Wrapper):
         attn = self._attention("prefill", hq, hkv, d, page, q_p.dtype)
         key = (attn, q_p.shape[0], kv_len, causal_p, sm_scale_p, window_p)
         if self._prefill_key != key:
-            if _capturing():
+            if capturing():
                 raise RuntimeError("the prefill's shape or settings changed under CUDA-graph "
                                    "capture; run() once eagerly with them before capturing")
             self._prefill_key = None

@@ -404,7 +404,7 @@ class Planner(WorkExpansion):
         """Copy the pages into the plan-owned staging list (what the kernel will read),
         then bound and check *that copy*: whatever the caller writes to its tensors later,
         the checks and the kernel see the same pages. Returns (each request's offset in
-        the list, the copy as a _PageSet, (lower, upper) bound of its page indices);
+        the list, the copy as a _PageSet, an upper bound of its page indices);
         ValueError naming the argument for a negative page index a request reads."""
         fmt, pages, arg = page_src
         B = used.size
