@@ -21,6 +21,7 @@ from pathlib import Path
 
 from podcute.kernels.config import (FP8_HEAD_DIMS, SUPPORTED_ARCHS, WARP_MMA_ARCHS, KernelConfig,
                                     arch_head_dims, feature_flags)
+from podcute.kernels.args import PlanTensors, PodTensors
 from podcute.kernels.metadata import MERGE_COLS, NUM_PARAMS, WORK_COLS
 
 
@@ -137,12 +138,16 @@ def _fake_args(key: VariantKey):
     # ragged_kv: the ragged request's K/V, [1, kv_len, Hkv, D] views as a cache's.
     ragged = (cache(), cache()) if cfg.ragged_kv else (None, None)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-    # Order: PodAttentionSm90.__call__ (q, k, v, out, lse, sinks, k_scale, v_scale, k/v
-    # ragged, then Planner.kernel_args).
-    return (rows3(), cache(), cache(), rows3(), lse, sinks, *scales, *ragged, work, ivec(), ivec(),
-            ivec(), ivec(),
-            ivec(), partial_o, partial_lse, merge, ivec(), ivec(), params, iparams,
-            cutlass.Int32(4), cutlass.Int32(1), stream)
+    io = PodTensors(mQ=rows3(), mK=cache(), mV=cache(), mO=rows3(), mLSE=lse, mSinks=sinks,
+                    mKScale=scales[0], mVScale=scales[1], mKRagged=ragged[0],
+                    mVRagged=ragged[1])
+    plan = PlanTensors(mWork=work, mCtaPtr=ivec(), mQStart=ivec(), mKvLen=ivec(),
+                       mPageStart=ivec(), mPageList=ivec(), mPartialO=partial_o,
+                       mPartialLSE=partial_lse, mMerge=merge, mSlotMerge=ivec(),
+                       mMergeSem=ivec(), mParams=params, mIParams=iparams,
+                       page_shift=cutlass.Int32(4))
+    # The compiled signature (kernels/args.py): both bundles flat, the grid, the stream.
+    return (*io, *plan, cutlass.Int32(1), stream)
 
 
 _cache: dict = {}
@@ -295,7 +300,7 @@ def _compile(key: VariantKey, keep_ptx: bool):
         scratch = ptx_dump_dir()
         scratch.mkdir(parents=True, exist_ok=True)
         options += f" --keep-ptx --keep-cubin --dump-dir {scratch}"
-    pod = cute.compile(kernel_class(key.config)(key.config), *pod_args, options=options)
+    pod = cute.compile(key.config.kernel_class()(key.config), *pod_args, options=options)
     return pod
 
 
@@ -304,15 +309,6 @@ def ptx_dump_dir() -> Path:
     process: the dumps of every variant share file names, and parallel compiles
     (compile_many) would read each other's half-written files."""
     return Path(tempfile.gettempdir()) / "podcute-ptx" / str(os.getpid())
-
-
-def kernel_class(config: KernelConfig):
-    """The kernel that serves `config`: the warp-level kernel or the sm_90a one."""
-    if config.warp_mma:
-        from podcute.kernels.pod_fwd_sm80 import PodAttentionSm80
-        return PodAttentionSm80
-    from podcute.kernels.pod_fwd_sm90 import PodAttentionSm90
-    return PodAttentionSm90
 
 
 def _compile_one(key: VariantKey, check: bool):

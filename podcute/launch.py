@@ -119,5 +119,7 @@ def launch(plan, q, k_cache, v_cache, out, lse, kv_layout: str = "NHD", sinks=No
         # swapped (layouts.canonical_kv in torch terms), so both layouts share one variant.
         k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
     k_ragged, v_ragged = ragged_kv if ragged_kv is not None else (None, None)
+    # The compiled signature (kernels/args.py): PodTensors' fields, then PlanTensors' (the
+    # planner's buffers) and the grid.
     pod(q, k_cache, v_cache, out, lse, sinks, k_scale, v_scale, k_ragged, v_ragged,
         *plan.kernel_args)

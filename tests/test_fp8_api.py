@@ -11,6 +11,7 @@ import torch
 from podcute import PODAttention, pod_attention
 from podcute.compile import VariantKey
 from podcute.kernels.config import FP8_HEAD_DIMS, KernelConfig
+from podcute.kernels.pod_fwd_sm90 import CONVERTER_GROUP_THREADS, FP8_STAGE_ARRIVALS, WarpRoles
 from tests.test_api import HAS_HOPPER, HKV, HQ, I32, PS, D, good, raises
 
 E4M3 = torch.float8_e4m3fn
@@ -182,19 +183,20 @@ def test_producer_roles_of_fp8_variants_are_disjoint():
             c = KernelConfig.select("bfloat16", d, 4, page_size=page, kv_dtype=kv)
             ok, why = c.can_implement()
             assert ok, why
-            copy_warps = set(range(c.first_converter // 32))
-            first, w = c.first_converter // 32, c.CONVERTER_GROUP_THREADS // 32
+            roles = WarpRoles.of(c)
+            copy_warps = set(range(roles.first_converter // 32))
+            first, w = roles.first_converter // 32, CONVERTER_GROUP_THREADS // 32
             groups = [set(range(first + w * g, first + w * (g + 1)))
-                      for g in range(c.converter_groups)]
-            first_q, q_warps = c.q_loaders
+                      for g in range(roles.converter_groups)]
+            first_q, q_warps = roles.q_loaders
             q = set(range(first_q, first_q + q_warps))
             producer_warps = set(range(c.num_producer_threads // 32))
             assert copy_warps | set().union(*groups) | q <= producer_warps
             assert not groups[0] & groups[1] and not copy_warps & set().union(*groups)
             if c.tma_kv:  # one TMA warp, and Q by a warp of its own
                 assert copy_warps == {0} and not q & (copy_warps | set().union(*groups))
-            assert c.num_stages % c.converter_groups == 0
-            assert c.num_converters == c.converter_groups * c.CONVERTER_GROUP_THREADS
+            assert c.num_stages % roles.converter_groups == 0
+            assert roles.num_converters == roles.converter_groups * CONVERTER_GROUP_THREADS
 
 
 def test_warp_decode_path_and_its_arrivals():
@@ -209,7 +211,7 @@ def test_warp_decode_path_and_its_arrivals():
                 c = KernelConfig.select("bfloat16", d, 4, page_size=page, kv_dtype=kv)
                 assert c.warp_decode == (d == 128 and page >= 16)
                 if c.warp_decode:
-                    assert c.FP8_STAGE_ARRIVALS == 128 // 32 == c.CONVERTER_GROUP_THREADS // 32 + 1
+                    assert FP8_STAGE_ARRIVALS == 128 // 32 == CONVERTER_GROUP_THREADS // 32 + 1
                     # each of an MMA warpgroup's warps takes WARP_KV_ROWS rows of a tile
                     assert c.tile_n == 4 * WARP_KV_ROWS and c.fp8_stages % 2 == 0
                     assert c.tile_m_decode >= ITEM_ROWS

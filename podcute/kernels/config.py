@@ -1,8 +1,10 @@
 """The one kernel configuration: every static choice the planner, the compile key, launch
 and the kernel share, chosen in one place (:meth:`KernelConfig.select`).
 
-No torch and no cutlass here, so the host planner can import it cheaply. A variant is
-one `KernelConfig`; everything per batch (lengths, pages, scales) is runtime data.
+No torch and no cutlass here, so the host planner can import it cheaply (a check that
+needs a kernel family's own facts imports its class on first use: `kernel_class`). A
+variant is one `KernelConfig`; everything per batch (lengths, pages, scales) is runtime
+data.
 """
 
 from __future__ import annotations
@@ -150,23 +152,6 @@ class KernelConfig:
     def fp8(self) -> bool:
         return bool(self.kv_dtype)
 
-    # fp8: the converting warps form groups of 3 warps, group g converting the K/V tiles
-    # whose pipeline count is g mod the group count (the 16-bit stages of that parity),
-    # each group in its own order: one group for every tile made each MMA warpgroup wait
-    # on the other's stage releases.
-    CONVERTER_GROUP_THREADS = 3 * 32
-
-    @property
-    def converter_groups(self) -> int:
-        """Groups of converting warps (2 with fp8: one per 16-bit stage parity); 0
-        without fp8."""
-        return 2 if self.fp8 else 0
-
-    # An fp8 TMA stage is freed by 4 arrivals: one per warp of the MMA warpgroup that read
-    # it (the warp-level decode path, `warp_decode`), or a converter group's 3 warps, its
-    # first arriving twice.
-    FP8_STAGE_ARRIVALS = 4
-
     @property
     def warp_decode(self) -> bool:
         """fp8 decode items of at most `decode_fp8.ITEM_ROWS` packed rows run on warp-level
@@ -195,27 +180,6 @@ class KernelConfig:
         return self.fp8 or (self.warp_mma and self.num_stages > 1)
 
     @property
-    def num_converters(self) -> int:
-        """Producer threads that dequantise fp8 tiles: two groups of 3 warps after the TMA
-        warp (warps 1-6; warp 7 loads Q) or after the 2-warp cp.async gather (warps 2-7);
-        0 without fp8."""
-        return self.converter_groups * self.CONVERTER_GROUP_THREADS
-
-    @property
-    def first_converter(self) -> int:
-        """Thread id of the first converting thread (after the copy warps)."""
-        return 32 if self.tma_kv else self.num_loaders
-
-    @property
-    def q_loaders(self) -> tuple[int, int]:
-        """(first warp, warps) of the producer warps that load Q: the first warpgroup, or
-        with fp8 TMA the warp past the converter groups (warp 7), so that no converter
-        waits for the Q stage of the next item."""
-        if self.fp8 and self.tma_kv:
-            return (self.first_converter + self.num_converters) // 32, 1
-        return 0, 4
-
-    @property
     def warp_mma(self) -> bool:
         """The warp-level (mma.sync) kernel: no producer warpgroup, every warp copies and
         computes; else the sm_90a kernel."""
@@ -228,14 +192,6 @@ class KernelConfig:
         if self.warp_mma:
             return 0
         return 2 if self.fp8 else 1
-
-    @property
-    def num_loaders(self) -> int:
-        """Producer threads of a cp.async K/V gather (the first producer warpgroup, or its
-        warps 0-1 next to the converters of an fp8 cache); 0 with TMA."""
-        if self.tma_kv:
-            return 0
-        return 2 * 32 if self.fp8 else WARPGROUP_THREADS
 
     @property
     def num_producer_threads(self) -> int:
@@ -269,146 +225,39 @@ class KernelConfig:
         partial row sums."""
         return WARPGROUP_THREADS * (self.combine_chunk + 4)
 
-    @property
-    def staging_row(self) -> int:
-        """Elements per row of a warpgroup's O staging tile (64 x D in q's dtype): D plus
-        16 bytes, so the quads of a warp store to distinct banks."""
-        return self.head_dim + 16 // self.elem_bytes
-
-    def staging_bytes(self) -> int:
-        """One MMA warpgroup's O staging tile (its 64 rows, q's dtype, padded rows); 0
-        without staging."""
-        return 64 * self.staging_row * self.elem_bytes if self.o_staging else 0
+    def kernel_class(self):
+        """The kernel family that builds this configuration: the warp-level kernel
+        (`pod_fwd_sm80.PodAttentionSm80`) or the sm_90a one (`pod_fwd_sm90`). Imported on
+        first use (it brings in cutlass)."""
+        if self.warp_mma:
+            from podcute.kernels.pod_fwd_sm80 import PodAttentionSm80
+            return PodAttentionSm80
+        from podcute.kernels.pod_fwd_sm90 import PodAttentionSm90
+        return PodAttentionSm90
 
     def smem_bytes(self) -> int:
-        """Q tile + K/V stages + the decode-combine scratch (also warpgroup 0's O staging)
-        + warpgroup 1's O staging + the gather's page lookups + barriers and alignment
-        (the kernel's SharedStorage)."""
-        e, d = self.elem_bytes, self.head_dim
-        if self.warp_mma:  # Q, K and V tiles (and 1 KB of alignment slack)
-            return (self.tile_m_prefill + 2 * self.num_stages * self.tile_n) * d * e + 1024
-        q = self.tile_m_prefill * d * e
-        kv = 2 * self.num_stages * self.tile_n * d * e
-        scratch = max(4 * self.combine_floats, self.staging_bytes())
-        pages = 2 * self.tile_n * 4
-        fp8 = 2 * self.fp8_stages * self.tile_n * d
-        return q + kv + fp8 + scratch + self.staging_bytes() + pages + 6 * 1024
+        """Shared memory of one CTA: the kernel family's own accounting of its
+        SharedStorage (`smem_bytes` of the kernel class)."""
+        return self.kernel_class().smem_bytes(self)
 
     def can_implement(self) -> tuple[bool, str]:
-        """(True, "") if this configuration is buildable, else (False, why)."""
+        """(True, "") if this configuration is buildable, else (False, why): what every
+        kernel needs, then what its kernel family needs (`can_implement` of the kernel
+        class: tiles, stages, shared memory, registers)."""
         if self.arch not in SUPPORTED_ARCHS:
             return False, f"arch {self.arch} (supported: {', '.join(SUPPORTED_ARCHS)})"
-        if self.warp_mma:
-            return self._can_implement_warp()
         if self.dtype not in SUPPORTED_DTYPES:
             return False, f"dtype {self.dtype} (supported: {SUPPORTED_DTYPES})"
-        if self.head_dim not in SUPPORTED_HEAD_DIMS:
-            return False, f"head_dim {self.head_dim} (supported: {SUPPORTED_HEAD_DIMS})"
-        if self.kv_dtype and self.kv_dtype not in FP8_KV_DTYPES:
-            return False, f"kv_dtype {self.kv_dtype} (supported: '' or {FP8_KV_DTYPES})"
-        if self.fp8 and self.head_dim not in FP8_HEAD_DIMS:
-            return False, f"fp8 KV caches at head_dim {self.head_dim} (supported: {FP8_HEAD_DIMS})"
-        if self.fp8 != (self.fp8_stages >= 2):
-            return False, "an fp8 cache needs >= 2 fp8 staging stages, a 16-bit cache none"
-        if self.fp8 and self.ragged_kv:
-            return False, "a ragged K/V source needs a 16-bit cache (kv_dtype '')"
         if self.group < 1:
             return False, f"group {self.group} must be >= 1"
-        if self.tile_m_prefill != 64 * self.num_mma_warpgroups or self.tile_m_decode != 64:
-            return False, "each MMA warpgroup owns 64 rows (one m64 wgmma)"
-        if self.tile_n % 16 or self.tile_n > 256:
-            return False, f"tile_n {self.tile_n} must be a multiple of 16 up to 256"
-        if self.kv_box not in (0, 16, self.tile_n):
-            return False, (f"kv_box {self.kv_box}: a TMA box is 16 rows, one whole tile "
-                           f"({self.tile_n}) or 0 (gathered rows)")
-        if self.num_stages < 2:
-            return False, "the K/V pipeline needs >= 2 stages"
-        if self.num_stages % self.num_mma_warpgroups:
-            # Decode items alternate KV tiles between the MMA warpgroups: with an even
-            # stage count each stage always serves one of them, so its full barrier's
-            # parity never runs a phase ahead of the tile it waits for.
-            return False, (f"num_stages {self.num_stages} must be a multiple of the "
-                           f"{self.num_mma_warpgroups} MMA warpgroups")
-        if why := self._combine_rounds_error():
-            return False, why
-        if self.smem_bytes() * self.ctas_per_sm > SMEM_BYTES_PER_SM:
-            return False, (f"{self.smem_bytes()} B of shared memory x {self.ctas_per_sm} CTAs "
-                           f"> {SMEM_BYTES_PER_SM}")
-        for name, r in (("producer_regs", self.producer_regs), ("mma_regs", self.mma_regs)):
-            if r % 8 or not 24 <= r <= 256:
-                return False, f"{name} {r}: setmaxnreg takes multiples of 8 in [24, 256]"
-        per_slot = (self.num_producer_warpgroups * self.producer_regs
-                    + self.num_mma_warpgroups * self.mma_regs)
-        if self.first_converter + self.num_converters > self.num_producer_threads:
-            return False, (f"{self.num_converters} converting threads after the copy warps "
-                           f"do not fit in {self.num_producer_warpgroups} producer warpgroups")
-        if WARPGROUP_THREADS * per_slot * self.ctas_per_sm > REGISTERS_PER_SM:
-            regs = WARPGROUP_THREADS * per_slot
-            return False, f"{regs} registers x {self.ctas_per_sm} CTAs > {REGISTERS_PER_SM}"
-        # setmaxnreg.inc draws only on what the CTA's own warps gave back with .dec: the
-        # split must fit in the registers the CTA was launched with, or the MMA warpgroups'
-        # increase waits forever (a hang, not an error).
-        launched = self.launch_regs() * (self.num_mma_warpgroups + self.num_producer_warpgroups)
-        if per_slot > launched:
-            return False, (f"setmaxnreg split {self.num_producer_warpgroups} x "
-                           f"{self.producer_regs} + {self.num_mma_warpgroups} x "
-                           f"{self.mma_regs} exceeds the {launched} registers a thread slot of "
-                           f"each warpgroup was launched with ({self.launch_regs()} each)")
-        # The launch cap (registers per thread at entry) must hold the larger role.
-        if self.launch_regs() < self.producer_regs:
-            return False, "the launch register cap is below the producer's"
-        return True, ""
-
-    def _combine_rounds_error(self) -> str:
-        """Why `combine_rounds` cannot split a thread's O columns (D / 4, 2 rows each in
-        an m64 wgmma and an m16 mma.sync accumulator alike) into even chunks; "" if it can."""
+        # (combine_rounds splits a thread's O columns, D / 4 with 2 rows each in an m64
+        # wgmma and an m16 mma.sync accumulator alike, into even chunks)
         o_cols = self.head_dim // 4
         if self.combine_rounds < 1 or o_cols % self.combine_rounds or \
                 (o_cols // self.combine_rounds) % 2:
-            return (f"combine_rounds {self.combine_rounds} must split a thread's "
-                    f"{o_cols} O columns into even chunks")
-        return ""
-
-    def _can_implement_warp(self) -> tuple[bool, str]:
-        """can_implement of the warp-level kernel: 4 warps of 16 rows (2 x 16 in a 128-row
-        prefill item) over 64-token K/V tiles, a Q tile and 1 or 2 K/V stages (one:
-        FlashAttention-2's order, V loads under S and the next K under P V; two: tile
-        n + 2 loads under tile n), page rows gathered by cp.async."""
-        if self.dtype not in SUPPORTED_DTYPES:
-            return False, f"dtype {self.dtype} (supported: {SUPPORTED_DTYPES})"
-        if self.fp8:
-            return False, f"fp8 KV caches need the sm_90a kernel (arch {self.arch})"
-        if self.head_dim not in WARP_HEAD_DIMS:
-            return False, (f"head_dim {self.head_dim} on {self.arch} (the warp-level kernel "
-                           f"serves {WARP_HEAD_DIMS})")
-        if self.group < 1:
-            return False, f"group {self.group} must be >= 1"
-        if (self.tile_m_prefill not in (64, 128)
-                or (self.tile_m_decode, self.tile_n) != (64, 64)):
-            return False, ("the warp-level kernel runs 64- or 128-row prefill items and "
-                           "64-row decode items over 64-token tiles")
-        if (self.kv_box, self.num_mma_warpgroups) != (0, 1) or self.num_stages not in (1, 2):
-            return False, ("the warp-level kernel gathers K/V rows into 1 or 2 stages, "
-                           "4 warps")
-        if self.tile_m_prefill == 128 and self.num_stages < 2:
-            # (its tile loop takes a tile's keys in two halves; one stage refills K after
-            # the whole tile's S)
-            return False, "128-row prefill items need two K/V stages"
-        per_sm, per_cta = ARCH_SMEM[self.arch]
-        if (self.smem_bytes() > per_cta
-                or (self.smem_bytes() + CTA_RESERVED_SMEM) * self.ctas_per_sm > per_sm):
-            return False, (f"{self.smem_bytes()} B of shared memory x {self.ctas_per_sm} CTAs "
-                           f"on {self.arch} ({per_sm} B an SM, {per_cta} B a CTA)")
-        if not 1 <= self.ctas_per_sm <= 2:
-            # 128 threads x the ~200 registers the fragments of D 128 take: 2 CTAs an SM.
-            return False, f"ctas_per_sm {self.ctas_per_sm} (1 or 2)"
-        if why := self._combine_rounds_error():
-            return False, why
-        k_stages = self.num_stages * self.tile_n * self.head_dim * self.elem_bytes
-        if 4 * self.combine_floats > k_stages:
-            return False, (f"the fold of a key-split item ({4 * self.combine_floats} B in "
-                           f"{self.combine_rounds} rounds) must fit the K stages ({k_stages} B)")
-        return True, ""
+            return False, (f"combine_rounds {self.combine_rounds} must split a thread's "
+                           f"{o_cols} O columns into even chunks")
+        return self.kernel_class().can_implement(self)
 
     def launch_regs(self) -> int:
         """Registers per thread at kernel entry (the launch cap setmaxnreg needs)."""

@@ -52,20 +52,20 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warp
 
 from podcute import layouts
+from podcute.kernels.args import PlanTensors, PodTensors
 from podcute.kernels.barriers import NamedBarrier
 from podcute.kernels.combine import fold_warps
-from podcute.kernels.config import KernelConfig
-from podcute.kernels.dtypes import DTYPES
+from podcute.kernels.config import ARCH_SMEM, CTA_RESERVED_SMEM, WARP_HEAD_DIMS, KernelConfig
 from podcute.kernels.epilogue import store_fragments, store_lse, store_partial
 from podcute.kernels.gather import RowGather
 from podcute.kernels.metadata import IParam, Param
+from podcute.kernels.paged_kv import PagedKV
 from podcute.kernels.pod_kernel import PodKernelBase
 from podcute.kernels.ptx import kept_in_loop, l2_evict_first_policy
 from podcute.kernels.mma_utils import (acc_as_operand_a_layout, rows_cols_view, warp_gemm,
                                        warp_gemm_by_columns)
 from podcute.kernels.softmax import LOG2_E, OnlineSoftmax, rescale_rows, softcap_scores
 from podcute.kernels.smem import tile_smem_layout
-from podcute.kernels.split_merge import finish_split
 from podcute.kernels.visibility import left_mask_until
 from podcute.kernels.work import WorkItem
 
@@ -112,45 +112,68 @@ class KvSource:
     mVRagged: Optional[cute.Tensor]
     sK: cute.Tensor  # (tile_n, D, stage)
     sV: cute.Tensor
-    mPageList: cute.Tensor
+    paged: PagedKV
     gather: RowGather
-    page_divisor: layouts.PageShift
     pages: cute.Tensor
     # copies under an L2 evict-first policy (`KernelConfig.decode_kv_evict_first`)
     evict_first: bool = False
 
 
-@dataclass(frozen=True)
-class ItemOutputs:
-    """Where an item's rows go: O (and the LSE) of the batch, or a split piece's fp32
-    partials; the sink logits its epilogue adds."""
-
-    mO: cute.Tensor
-    mLSE: Optional[cute.Tensor]
-    mSinks: Optional[cute.Tensor]
-    mPartialO: cute.Tensor
-    mPartialLSE: cute.Tensor
-
-
 class PodAttentionSm80(PodKernelBase):
     def __init__(self, cfg: KernelConfig):
-        ok, why = cfg.can_implement()
-        if not ok or not cfg.warp_mma:
-            raise ValueError(f"PodAttentionSm80: {why or 'not a warp-level configuration'}")
-        self.cfg = cfg
-        self.dtype = DTYPES[cfg.dtype]
-        self.head_dim = cfg.head_dim
-        self.group = cfg.group
-        self.causal = cfg.causal
-        self.tile_m = cfg.tile_m_prefill
-        self.tile_n = cfg.tile_n
+        super().__init__(cfg)
         self.num_threads = cfg.num_threads
-        self.num_stages = cfg.num_stages
         # 16-row M blocks of a warp in a prefill item: 1 (64-row items) or 2 (128-row
         # items: K/V fragments read from shared memory feed twice the MMAs).
         self.m_blocks = self.tile_m // BLOCK_ROWS
         assert BLOCK_ROWS == WARP_ROWS * self.num_threads // 32 and self.m_blocks in (1, 2)
         assert cfg.tile_m_decode == BLOCK_ROWS
+
+    @classmethod
+    def can_implement(cls, cfg: KernelConfig) -> tuple[bool, str]:
+        """What this kernel needs beyond KernelConfig.can_implement's common checks: 4
+        warps of 16 rows (2 x 16 in a 128-row prefill item) over 64-token K/V tiles, a Q
+        tile and 1 or 2 K/V stages (one: FlashAttention-2's order, V loads under S and the
+        next K under P V; two: tile n + 2 loads under tile n), page rows gathered by
+        cp.async, and the SM's shared memory for `ctas_per_sm` CTAs."""
+        if not cfg.warp_mma:
+            return False, f"{cfg.arch} runs the sm_90a kernel, not the warp-level one"
+        if cfg.fp8:
+            return False, f"fp8 KV caches need the sm_90a kernel (arch {cfg.arch})"
+        if cfg.head_dim not in WARP_HEAD_DIMS:
+            return False, (f"head_dim {cfg.head_dim} on {cfg.arch} (the warp-level kernel "
+                           f"serves {WARP_HEAD_DIMS})")
+        if (cfg.tile_m_prefill not in (64, 128)
+                or (cfg.tile_m_decode, cfg.tile_n) != (64, 64)):
+            return False, ("the warp-level kernel runs 64- or 128-row prefill items and "
+                           "64-row decode items over 64-token tiles")
+        if (cfg.kv_box, cfg.num_mma_warpgroups) != (0, 1) or cfg.num_stages not in (1, 2):
+            return False, ("the warp-level kernel gathers K/V rows into 1 or 2 stages, "
+                           "4 warps")
+        if cfg.tile_m_prefill == 128 and cfg.num_stages < 2:
+            # (its tile loop takes a tile's keys in two halves; one stage refills K after
+            # the whole tile's S)
+            return False, "128-row prefill items need two K/V stages"
+        per_sm, per_cta = ARCH_SMEM[cfg.arch]
+        if (cls.smem_bytes(cfg) > per_cta
+                or (cls.smem_bytes(cfg) + CTA_RESERVED_SMEM) * cfg.ctas_per_sm > per_sm):
+            return False, (f"{cls.smem_bytes(cfg)} B of shared memory x {cfg.ctas_per_sm} CTAs "
+                           f"on {cfg.arch} ({per_sm} B an SM, {per_cta} B a CTA)")
+        if not 1 <= cfg.ctas_per_sm <= 2:
+            # 128 threads x the ~200 registers the fragments of D 128 take: 2 CTAs an SM.
+            return False, f"ctas_per_sm {cfg.ctas_per_sm} (1 or 2)"
+        k_stages = cfg.num_stages * cfg.tile_n * cfg.head_dim * cfg.elem_bytes
+        if 4 * cfg.combine_floats > k_stages:
+            return False, (f"the fold of a key-split item ({4 * cfg.combine_floats} B in "
+                           f"{cfg.combine_rounds} rounds) must fit the K stages ({k_stages} B)")
+        return True, ""
+
+    @classmethod
+    def smem_bytes(cls, cfg: KernelConfig) -> int:
+        """Q, K and V tiles (and 1 KB of alignment slack): `launch_kernel`'s
+        SharedStorage; the split items' fold borrows the K stages."""
+        return ((cfg.tile_m_prefill + 2 * cfg.num_stages * cfg.tile_n) * cfg.head_dim
+                * cfg.elem_bytes + 1024)
 
     def _tiled_mmas(self):
         """Both GEMMs: the CTA's warps stacked along M (16 rows each); N in steps of 16 so
@@ -174,36 +197,8 @@ class PodAttentionSm80(PodKernelBase):
         return cute.make_copy_atom(
             warp.LdMatrix8x8x16bOp(transpose=transpose, num_matrices=4), self.dtype)
 
-    @cute.jit
-    def __call__(
-        self,
-        mQ: cute.Tensor,  # [T, Hq, D]
-        mK: cute.Tensor,  # [pages, page_size, Hkv, D] (launch() passes HND as this view)
-        mV: cute.Tensor,
-        mO: cute.Tensor,  # [T, Hq, D]
-        mLSE: Optional[cute.Tensor],  # [T, Hq] fp32 or None
-        mSinks: Optional[cute.Tensor],  # [Hq] fp32 sink logits (has_sinks) or None
-        mKScale: Optional[cute.Tensor],  # (fp8 caches: the sm_90a kernel only)
-        mVScale: Optional[cute.Tensor],
-        mKRagged: Optional[cute.Tensor],  # ragged_kv: request 0's K/V, [1, kv_len, Hkv, D]
-        mVRagged: Optional[cute.Tensor],
-        mWork: cute.Tensor,  # [items, WORK_COLS] int32 (metadata.WorkCol)
-        mCtaPtr: cute.Tensor,  # [grid + 1] int32
-        mQStart: cute.Tensor,  # [B + 1] int32
-        mKvLen: cute.Tensor,  # [B] int32
-        mPageStart: cute.Tensor,  # [B] int32
-        mPageList: cute.Tensor,  # flat int32 page indices (plan-owned)
-        mPartialO: cute.Tensor,  # [slots, tile_m, D] fp32
-        mPartialLSE: cute.Tensor,  # [slots, tile_m] fp32
-        mMerge: cute.Tensor,  # [merges, MERGE_COLS] int32 (metadata.MergeCol)
-        mSlotMerge: cute.Tensor,  # [slots] int32
-        mMergeSem: cute.Tensor,  # [merges] int32 semaphores, zero between launches
-        mParams: cute.Tensor,  # [NUM_PARAMS] fp32 (metadata.Param)
-        mIParams: cute.Tensor,  # the same words as int32 (metadata.IParam)
-        page_shift: Int32,  # log2(page_size)
-        num_ctas: Int32,
-        stream: cuda.CUstream,
-    ):
+    def launch_kernel(self, io: PodTensors, plan: PlanTensors, num_ctas: Int32,
+                      stream: cuda.CUstream):
         d = self.head_dim
         tiled_mma_qk, tiled_mma_pv = self._tiled_mmas()
         sQ_layout = tile_smem_layout(self.dtype, self.tile_m, d)
@@ -216,45 +211,14 @@ class PodAttentionSm80(PodKernelBase):
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
 
         self.shared_storage = SharedStorage
-        self.kernel(
-            mQ, mK, mV, mKRagged, mVRagged, mO, mLSE, mSinks, mWork, mCtaPtr, mQStart, mKvLen,
-            mPageStart, mPageList, mPartialO, mPartialLSE, mMerge, mSlotMerge, mMergeSem, mParams, mIParams,
-            page_shift, tiled_mma_qk, tiled_mma_pv, sQ_layout, sKV_layout,
-        ).launch(
-            grid=[num_ctas, 1, 1],
-            block=[self.num_threads, 1, 1],
-            stream=stream,
-            min_blocks_per_mp=self.cfg.ctas_per_sm,
-            # Saying so keeps compilation free of device queries (cross-compiles without
-            # a GPU): the CTAs of an SM want its shared memory, not L1.
-            preferred_smem_carveout=100,
-        )
+        self.kernel(io, plan, tiled_mma_qk, tiled_mma_pv, sQ_layout, sKV_layout).launch(
+            **self.launch_options(num_ctas, stream))
 
     @cute.kernel
     def kernel(
         self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mKRagged: Optional[cute.Tensor],
-        mVRagged: Optional[cute.Tensor],
-        mO: cute.Tensor,
-        mLSE: Optional[cute.Tensor],
-        mSinks: Optional[cute.Tensor],
-        mWork: cute.Tensor,
-        mCtaPtr: cute.Tensor,
-        mQStart: cute.Tensor,
-        mKvLen: cute.Tensor,
-        mPageStart: cute.Tensor,
-        mPageList: cute.Tensor,
-        mPartialO: cute.Tensor,
-        mPartialLSE: cute.Tensor,
-        mMerge: cute.Tensor,
-        mSlotMerge: cute.Tensor,
-        mMergeSem: cute.Tensor,
-        mParams: cute.Tensor,
-        mIParams: cute.Tensor,
-        page_shift: Int32,
+        io: PodTensors,
+        plan: PlanTensors,
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
         sQ_layout: cute.ComposedLayout,
@@ -279,17 +243,16 @@ class PodAttentionSm80(PodKernelBase):
         # Pages of this thread's K/V rows: the current tile's, looked up one tile ahead
         # (the page-table load's latency hides under the tile's S GEMM).
         pages = cute.make_rmem_tensor(kv_gather.rows_per_thread, Int32)
-        kv = KvSource(mK, mV, mKRagged, mVRagged, sK, sV, mPageList, kv_gather,
-                      layouts.PageShift(page_shift), pages)
+        kv = KvSource(io.mK, io.mV, io.mKRagged, io.mVRagged, sK, sV,
+                      PagedKV.create(plan.mPageList, plan.page_shift, tile_n), kv_gather, pages)
         # Decode items read their K/V rows once in the launch; a prefill request's K/V is
         # read by each of its row tiles.
         kv_once = dataclasses.replace(kv, evict_first=self.cfg.decode_kv_evict_first)
-        out = ItemOutputs(mO, mLSE, mSinks, mPartialO, mPartialLSE)
 
         warp_id = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         cta = cute.arch.block_idx()[0]
-        for i in cutlass.range(mCtaPtr[cta], mCtaPtr[cta + 1], unroll=1):
-            item = WorkItem.load(mWork, mQStart, mKvLen, mPageStart, i)
+        for i in cutlass.range(plan.mCtaPtr[cta], plan.mCtaPtr[cta + 1], unroll=1):
+            item = WorkItem.load(plan, i)
             n_rows = item.row_end - item.row_start
             # Each path holds only its own rows' O and softmax state (a 128-row item's O
             # is 128 registers a thread: live through the other paths, it would leave
@@ -297,40 +260,37 @@ class PodAttentionSm80(PodKernelBase):
             if n_rows <= WARP_ROWS:
                 # Decode items (and any item of at most 16 rows): every warp takes 16 keys
                 # of each tile with all of the rows, and the warps fold at the end.
-                self.run_item(0, item, mQ, sQ, kv_once, sVt, sScratch, tiled_mma_qk,
-                              tiled_mma_pv, out, mParams, mIParams, tidx, warp_id)
+                self.run_item(0, item, io, plan, sQ, kv_once, sVt, sScratch, tiled_mma_qk,
+                              tiled_mma_pv, tidx, warp_id)
             else:
                 if const_expr(self.m_blocks == 1):
-                    self.run_item(1, item, mQ, sQ, kv, sVt, sScratch, tiled_mma_qk,
-                                  tiled_mma_pv, out, mParams, mIParams, tidx, warp_id)
+                    self.run_item(1, item, io, plan, sQ, kv, sVt, sScratch, tiled_mma_qk,
+                                  tiled_mma_pv, tidx, warp_id)
                 else:
                     # Items of at most 64 rows keep to each warp's first 16-row block:
                     # the second would only add MMAs on rows never stored.
                     if n_rows <= BLOCK_ROWS:
-                        self.run_item(1, item, mQ, sQ, kv, sVt, sScratch, tiled_mma_qk,
-                                      tiled_mma_pv, out, mParams, mIParams, tidx, warp_id)
+                        self.run_item(1, item, io, plan, sQ, kv, sVt, sScratch, tiled_mma_qk,
+                                      tiled_mma_pv, tidx, warp_id)
                     else:
-                        self.run_item(2, item, mQ, sQ, kv, sVt, sScratch, tiled_mma_qk,
-                                      tiled_mma_pv, out, mParams, mIParams, tidx, warp_id)
-            if item.split_slot >= 0:
-                finish_split(mO, mLSE, mPartialO, mPartialLSE, mMerge, mSlotMerge, mMergeSem,
-                             mQStart, item.split_slot, self.group, d, tidx,
-                             self.num_threads, barrier_id=NamedBarrier.MMA, mSinks=mSinks)
+                        self.run_item(2, item, io, plan, sQ, kv, sVt, sScratch, tiled_mma_qk,
+                                      tiled_mma_pv, tidx, warp_id)
+            self.merge_split(io, plan, item, tidx, self.num_threads)
             # (no copy is in flight past n_max, but every warp must be done with sQ, sK
             # and sV before the next item's copies overwrite them)
             cute.arch.cp_async_wait_group(0)
             cute.arch.barrier()
 
     @cute.jit
-    def run_item(self, m_blocks: cutlass.Constexpr[int], item: WorkItem, mQ: cute.Tensor,
-                 sQ: cute.Tensor, kv: "KvSource", sVt: cute.Tensor, sScratch: cute.Tensor,
-                 tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
-                 out: "ItemOutputs", mParams: cute.Tensor, mIParams: cute.Tensor,
-                 tidx: Int32, warp_id: Int32):
+    def run_item(self, m_blocks: cutlass.Constexpr[int], item: WorkItem, io: PodTensors,
+                 plan: PlanTensors, sQ: cute.Tensor, kv: "KvSource", sVt: cute.Tensor,
+                 sScratch: cute.Tensor, tiled_mma_qk: cute.TiledMma,
+                 tiled_mma_pv: cute.TiledMma, tidx: Int32, warp_id: Int32):
         """One work item: its Q rows and first K/V tiles, the tile loop, the epilogue.
         m_blocks: 16-row blocks of each warp (1: items of <= 64 rows, 2: of <= 128), or 0:
         an item of <= 16 rows split over the warps by keys (`attend_split`)."""
         tile_n, d, stages = self.tile_n, self.head_dim, self.num_stages
+        mParams, mIParams = plan.mParams, plan.mIParams
         rows = BLOCK_ROWS * max(m_blocks, 1)  # rows of O: the tile's, or warp 0's 16 x 4
         # (addresses from a volatile tidx: computed per item, not hoisted out of the item
         # loop, where each path's would hold registers through the other paths)
@@ -352,7 +312,7 @@ class PodAttentionSm80(PodKernelBase):
         acc_O.fill(0.0)
         q_rows = WARP_ROWS if const_expr(m_blocks == 0) else rows
         sQ_rows = cute.local_tile(sQ, (q_rows, d), (0, 0))
-        self.load_q(mQ, sQ_rows, RowGather.create(self.dtype, q_rows, d, self.num_threads,
+        self.load_q(io.mQ, sQ_rows, RowGather.create(self.dtype, q_rows, d, self.num_threads,
                                                   tidx), item)
         # Prologue: K (and with two stages V) of the first `stages` tiles; Q goes with the
         # first. One commit group a tile, empty past n_max, so the wait in the loop counts
@@ -380,7 +340,7 @@ class PodAttentionSm80(PodKernelBase):
                         softmax, row_scale, kv, item, n_min, n_max, mask_from, mask_until,
                         warp_id * WARP_ROWS < item.row_end - item.row_start, mParams,
                         mIParams)
-        self.epilogue(acc_O, softmax, tOcO, item, out, mParams, tidx)
+        self.epilogue(acc_O, softmax, tOcO, item, io, plan, tidx)
 
     @cute.jit
     def attend_split(self, acc_O: cute.Tensor, softmax: OnlineSoftmax,
@@ -394,7 +354,7 @@ class PodAttentionSm80(PodKernelBase):
         into warp 0 (`combine.fold_warps`), whose rows the epilogue stores. A decode
         item's one warp of MMAs would otherwise bound its CTA to about a tile per 1.3 us:
         less than the HBM share of an SM whose other CTA is in prefill."""
-        stages, d = self.num_stages, self.head_dim
+        d = self.head_dim
         # (addresses from a volatile lane: computed here, not held through the other paths)
         lane = kept_in_loop(tidx % 32)
         tiled_mma = self._one_warp_mma()
@@ -591,18 +551,11 @@ class PodAttentionSm80(PodKernelBase):
     @cute.jit
     def lookup_pages(self, kv: "KvSource", item: WorkItem, n_block: Int32):
         """The page of each K/V row this thread copies for tile n_block (page 0 on the
-        ragged source); tokens past kv_end clamp to the item's last (`kv_token`: no
-        page-table entry past the request's pages is read, and those rows hold finite
-        values that the mask and P = 0 discard)."""
+        ragged source); tokens past kv_end clamp to the item's last (paged_kv.py)."""
         ragged = item.reads_ragged(self.cfg.ragged_kv)
         for m in cutlass.range_constexpr(kv.gather.rows_per_thread):
-            page, slot = layouts.kv_locate(kv.mPageList, item.page_start,
-                                           self.kv_token(kv, item, n_block, m), kv.page_divisor)
+            page, slot = kv.paged.locate(item, kv.paged.token(item, n_block, kv.gather.row(m)))
             kv.pages[m] = layouts.ragged_locate(page, slot, Int32(0), ragged)[0]
-
-    def kv_token(self, kv: "KvSource", item: WorkItem, n_block: Int32, m: int):
-        """The request's KV token of this thread's m-th row of tile n_block, clamped."""
-        return layouts.clamp_token(n_block * self.tile_n, kv.gather.row(m), item.kv_end)
 
     @cute.jit
     def load_kv(self, kv: "KvSource", item: WorkItem, n_block: Int32, stage,
@@ -621,10 +574,8 @@ class PodAttentionSm80(PodKernelBase):
         ragged = item.reads_ragged(self.cfg.ragged_kv)
 
         def row(m, r):
-            token = self.kv_token(kv, item, n_block, m)
-            slot = layouts.split_token(token, kv.page_divisor)[1]
-            slot = layouts.ragged_locate(Int32(0), slot, token, ragged)[1]
-            return layouts.kv_row_in(mKV, mKVRagged, ragged, kv.pages[m], slot, item.kv_head)
+            token = kv.paged.token(item, n_block, kv.gather.row(m))
+            return kv.paged.ragged_row(mKV, mKVRagged, ragged, kv.pages[m], token, item.kv_head)
 
         kv.gather.copy_rows(sX, row, l2_evict_first_policy() if const_expr(kv.evict_first)
                             else None)
@@ -648,21 +599,21 @@ class PodAttentionSm80(PodKernelBase):
 
     @cute.jit
     def epilogue(self, acc_O: cute.Tensor, softmax: OnlineSoftmax, tOcO: cute.Tensor,
-                 item: WorkItem, out: "ItemOutputs", mParams: cute.Tensor, tidx: Int32):
+                 item: WorkItem, io: PodTensors, plan: PlanTensors, tidx: Int32):
         """Normalise O and write it (and the LSE) for the item's rows, or fp32 partials of a
         split piece (`epilogue.py`)."""
-        inv_sum, lse = softmax.finalize(mParams[self.logit_param],
-                                        self.row_sinks(out.mSinks, tOcO, item, Int32(0)))
+        inv_sum, lse = softmax.finalize(plan.mParams[self.logit_param],
+                                        self.row_sinks(io.mSinks, tOcO, item, Int32(0)))
         rescale_rows(acc_O, inv_sum)
         n_rows = item.row_end - item.row_start
         if item.split_slot >= 0:
-            store_partial(acc_O, lse, tOcO, out.mPartialO, out.mPartialLSE, item.split_slot,
+            store_partial(acc_O, lse, tOcO, plan.mPartialO, plan.mPartialLSE, item.split_slot,
                           Int32(0), n_rows, tidx)
         else:
-            if const_expr(out.mLSE is not None):
-                gLSE = layouts.packed_lse(out.mLSE, item.q_start, item.q_len, item.kv_head,
+            if const_expr(io.mLSE is not None):
+                gLSE = layouts.packed_lse(io.mLSE, item.q_start, item.q_len, item.kv_head,
                                           self.group)
                 store_lse(lse, tOcO, gLSE, item.row_start, n_rows, tidx)
-            gO = layouts.packed_rows(out.mO, item.q_start, item.q_len, item.kv_head,
+            gO = layouts.packed_rows(io.mO, item.q_start, item.q_len, item.kv_head,
                                      self.group)
             store_fragments(acc_O, tOcO, gO, item.row_start, n_rows)

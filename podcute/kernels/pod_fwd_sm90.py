@@ -31,6 +31,7 @@ CTA = 1 producer warpgroup + `num_mma_warpgroups` (2) MMA warpgroups, FA3's stru
     split group's last piece merges them (`split_merge`): one launch.
 """
 
+from dataclasses import dataclass
 from functools import partial
 from typing import Optional, Union
 
@@ -42,12 +43,15 @@ import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, Int64, const_expr
-from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+from cutlass.cute.nvgpu import warp, warpgroup
 
 from podcute import layouts
+from podcute.kernels.args import PlanTensors, PodTensors
 from podcute.kernels.barriers import NamedBarrier
 from podcute.kernels.combine import fold_state, fold_warps, stash_state
-from podcute.kernels.config import WARPGROUP_THREADS, KernelConfig
+from podcute.kernels.config import (FP8_HEAD_DIMS, FP8_KV_DTYPES, REGISTERS_PER_SM,
+                                    SMEM_BYTES_PER_SM, SUPPORTED_HEAD_DIMS, WARPGROUP_THREADS,
+                                    KernelConfig)
 from podcute.kernels.decode_fp8 import ITEM_ROWS, WARP_KV_ROWS, Fp8WarpDecode
 from podcute.kernels.dequant import Dequant, q_fragment_to_fp16
 from podcute.kernels.dtypes import DTYPES
@@ -55,12 +59,13 @@ from podcute.kernels.epilogue import (staging_tile, store_fragments, store_lse, 
                                       store_rows)
 from podcute.kernels.gather import RowGather
 from podcute.kernels.metadata import IParam, Param, WorkCol
+from podcute.kernels.paged_kv import (KvTmaAtoms, PagedKV, copy_kv_boxes, make_kv_tma_atoms,
+                                      tma_kv_tiles)
 from podcute.kernels.pod_kernel import PodKernelBase
 from podcute.kernels.ptx import kept_in_loop, l2_evict_first_policy, l2_policy_read_once
 from podcute.kernels.mma_utils import acc_as_operand_a_layout, rows_cols_view, warpgroup_gemm
 from podcute.kernels.softmax import LOG2_E, OnlineSoftmax, rescale_rows, softcap_scores
 from podcute.kernels.smem import smem_atom, tile_smem_layout
-from podcute.kernels.split_merge import finish_split
 from podcute.kernels.visibility import left_mask_until
 from podcute.kernels.work import WorkItem
 
@@ -68,6 +73,64 @@ from podcute.kernels.work import WorkItem
 ROLE_Q, ROLE_COPY, ROLE_CONVERT = 1, 2, 4
 
 WG_ROWS = 64  # rows of one MMA warpgroup: one m64 wgmma
+
+
+# fp8: the converting warps form groups of 3 warps, group g converting the K/V tiles whose
+# pipeline count is g mod the group count (the 16-bit stages of that parity), each group in
+# its own order: one group for every tile made each MMA warpgroup wait on the other's
+# stage releases.
+CONVERTER_GROUP_THREADS = 3 * 32
+# An fp8 TMA stage is freed by 4 arrivals: one per warp of the MMA warpgroup that read it
+# (the warp-level decode path, `warp_decode`), or a converter group's 3 warps, its first
+# arriving twice.
+FP8_STAGE_ARRIVALS = 4
+
+
+@dataclass(frozen=True)
+class WarpRoles:
+    """What the producer warps of a configuration do (thread ids from 0: the producer
+    warpgroups come first, the MMA warpgroups after them)."""
+
+    # Groups of converting warps: 2 with fp8 (one per 16-bit stage parity), else 0.
+    converter_groups: int
+    # Threads of a cp.async K/V gather (the first producer warpgroup, or its warps 0-1
+    # next to the converters of an fp8 cache); 0 with TMA.
+    num_loaders: int
+    # Thread id of the first converting thread (after the copy warps).
+    first_converter: int
+    # (first warp, warps) of the warps that load Q: the first warpgroup, or with fp8 TMA
+    # the warp past the converter groups (warp 7), so that no converter waits for the Q
+    # stage of the next item.
+    q_loaders: tuple
+
+    @property
+    def num_converters(self) -> int:
+        """Producer threads that dequantise fp8 tiles: two groups of 3 warps after the TMA
+        warp (warps 1-6; warp 7 loads Q) or after the 2-warp cp.async gather (warps 2-7);
+        0 without fp8."""
+        return self.converter_groups * CONVERTER_GROUP_THREADS
+
+    @staticmethod
+    def of(cfg: KernelConfig) -> "WarpRoles":
+        groups = 2 if cfg.fp8 else 0
+        loaders = 0 if cfg.tma_kv else 2 * 32 if cfg.fp8 else WARPGROUP_THREADS
+        first_converter = 32 if cfg.tma_kv else loaders
+        q_loaders = (0, 4)
+        if cfg.fp8 and cfg.tma_kv:
+            q_loaders = ((first_converter + groups * CONVERTER_GROUP_THREADS) // 32, 1)
+        return WarpRoles(groups, loaders, first_converter, q_loaders)
+
+
+def staging_row(cfg: KernelConfig) -> int:
+    """Elements per row of a warpgroup's O staging tile (64 x D in q's dtype): D plus 16
+    bytes, so the quads of a warp store to distinct banks."""
+    return cfg.head_dim + 16 // cfg.elem_bytes
+
+
+def staging_bytes(cfg: KernelConfig) -> int:
+    """One MMA warpgroup's O staging tile (its 64 rows, q's dtype, padded rows); 0 without
+    staging."""
+    return 64 * staging_row(cfg) * cfg.elem_bytes if cfg.o_staging else 0
 
 
 def stage(count: Int32, stages: int, producer: bool = False) -> pipeline.PipelineState:
@@ -80,16 +143,65 @@ def stage(count: Int32, stages: int, producer: bool = False) -> pipeline.Pipelin
     return pipeline.PipelineState(stages, count, count % stages, phase)
 
 
+@dataclass(frozen=True)
+class Pipelines:
+    """The CTA's mbarrier pipelines: Q (one stage), the 16-bit K and V stages the MMAs
+    read, the fp8 staging stages the copies fill (None without fp8), and the decode
+    combine's hand-over between the MMA warpgroups."""
+
+    q: pipeline.PipelineAsync
+    k: pipeline.PipelineAsync
+    v: pipeline.PipelineAsync
+    k8: Optional[pipeline.PipelineAsync]
+    v8: Optional[pipeline.PipelineAsync]
+    combine: pipeline.PipelineAsync
+
+
+@dataclass(frozen=True)
+class SmemTiles:
+    """The CTA's Q tile and K/V stages, and an fp8 cache's staging stages as the copies
+    write them (None without fp8)."""
+
+    sQ: cute.Tensor  # (tile_m, D)
+    sK: cute.Tensor  # (tile_n, D, stage), the MMAs' type
+    sV: cute.Tensor
+    sK8: Optional[cute.Tensor]  # (tile_n, D, fp8 stage)
+    sV8: Optional[cute.Tensor]
+
+
+@dataclass(frozen=True)
+class WarpgroupGemms:
+    """One MMA warpgroup's GEMMs of an item: S = Q K^T (Q from shared memory or
+    registers) into a fresh accumulator, and O += P V with P from registers (`rP`, seen
+    as the A operand by `tOrP`); K and V fragments index their stage last."""
+
+    tiled_mma_qk: cute.TiledMma
+    tiled_mma_pv: cute.TiledMma
+    tSrQ: cute.Tensor
+    tSrK: cute.Tensor
+    tOrVt: cute.Tensor
+    acc_shape_S: tuple
+    rP: cute.Tensor
+    tOrP: cute.Tensor
+
+    @cute.jit
+    def qk(self, k_state: pipeline.PipelineState) -> cute.Tensor:
+        """Issue S = Q K^T on K stage `k_state` (asynchronous; the caller waits)."""
+        acc_S = cute.make_rmem_tensor(self.acc_shape_S, Float32)
+        warpgroup_gemm(self.tiled_mma_qk, acc_S, self.tSrQ,
+                       self.tSrK[None, None, None, k_state.index], True)
+        return acc_S
+
+    @cute.jit
+    def pv(self, acc_O: cute.Tensor, v_state: pipeline.PipelineState):
+        """Issue O += P V on V stage `v_state` (asynchronous; the caller waits)."""
+        warpgroup_gemm(self.tiled_mma_pv, acc_O, self.tOrP,
+                       self.tOrVt[None, None, None, v_state.index], False)
+
+
 class PodAttentionSm90(PodKernelBase):
     def __init__(self, cfg: KernelConfig):
-        ok, why = cfg.can_implement()
-        if not ok:
-            raise ValueError(f"PodAttentionSm90: {why}")
-        self.cfg = cfg
-        self.dtype = DTYPES[cfg.dtype]
-        self.head_dim = cfg.head_dim
-        self.group = cfg.group
-        self.causal = cfg.causal
+        super().__init__(cfg)
         self.has_lse = cfg.has_lse
         self.tma_kv = cfg.tma_kv
         # fp8 cache: the element type K/V arrive in (staged, then converted to mma_dtype).
@@ -99,13 +211,86 @@ class PodAttentionSm90(PodKernelBase):
         # cache whatever q's type (fp8 -> fp16 is exact and cheap; bf16 queries are scaled
         # into fp16's range in registers, `dequant.q_fragment_to_fp16`).
         self.mma_dtype = DTYPES[cfg.mma_dtype]
-        self.tile_m = cfg.tile_m_prefill  # rows of sQ: every MMA warpgroup's 64
-        self.tile_n = cfg.tile_n
-        self.num_stages = cfg.num_stages
         self.num_mma_wg = cfg.num_mma_warpgroups
         self.num_mma_threads = cfg.num_mma_threads
+        self.roles = WarpRoles.of(cfg)
+        # (every MMA warpgroup's 64 rows make sQ)
         assert cfg.tile_m_decode == WG_ROWS and self.tile_m == WG_ROWS * self.num_mma_wg
         assert self.num_mma_wg == 2, "decode KV alternation and ping-pong assume 2"
+
+    @classmethod
+    def can_implement(cls, cfg: KernelConfig) -> tuple[bool, str]:
+        """What this kernel needs of a configuration beyond KernelConfig.can_implement's
+        common checks: 64 rows an MMA warpgroup, whole-tile or 16-slot TMA boxes, an even
+        stage count, the shared memory, the setmaxnreg split."""
+        if cfg.warp_mma:
+            return False, f"{cfg.arch} runs the warp-level kernel"
+        if cfg.head_dim not in SUPPORTED_HEAD_DIMS:
+            return False, f"head_dim {cfg.head_dim} (supported: {SUPPORTED_HEAD_DIMS})"
+        if cfg.kv_dtype and cfg.kv_dtype not in FP8_KV_DTYPES:
+            return False, f"kv_dtype {cfg.kv_dtype} (supported: '' or {FP8_KV_DTYPES})"
+        if cfg.fp8 and cfg.head_dim not in FP8_HEAD_DIMS:
+            return False, f"fp8 KV caches at head_dim {cfg.head_dim} (supported: {FP8_HEAD_DIMS})"
+        if cfg.fp8 != (cfg.fp8_stages >= 2):
+            return False, "an fp8 cache needs >= 2 fp8 staging stages, a 16-bit cache none"
+        if cfg.fp8 and cfg.ragged_kv:
+            return False, "a ragged K/V source needs a 16-bit cache (kv_dtype '')"
+        if cfg.tile_m_prefill != 64 * cfg.num_mma_warpgroups or cfg.tile_m_decode != 64:
+            return False, "each MMA warpgroup owns 64 rows (one m64 wgmma)"
+        if cfg.tile_n % 16 or cfg.tile_n > 256:
+            return False, f"tile_n {cfg.tile_n} must be a multiple of 16 up to 256"
+        if cfg.kv_box not in (0, 16, cfg.tile_n):
+            return False, (f"kv_box {cfg.kv_box}: a TMA box is 16 rows, one whole tile "
+                           f"({cfg.tile_n}) or 0 (gathered rows)")
+        if cfg.num_stages < 2:
+            return False, "the K/V pipeline needs >= 2 stages"
+        if cfg.num_stages % cfg.num_mma_warpgroups:
+            # Decode items alternate KV tiles between the MMA warpgroups: with an even
+            # stage count each stage always serves one of them, so its full barrier's
+            # parity never runs a phase ahead of the tile it waits for.
+            return False, (f"num_stages {cfg.num_stages} must be a multiple of the "
+                           f"{cfg.num_mma_warpgroups} MMA warpgroups")
+        if cls.smem_bytes(cfg) * cfg.ctas_per_sm > SMEM_BYTES_PER_SM:
+            return False, (f"{cls.smem_bytes(cfg)} B of shared memory x {cfg.ctas_per_sm} CTAs "
+                           f"> {SMEM_BYTES_PER_SM}")
+        for name, r in (("producer_regs", cfg.producer_regs), ("mma_regs", cfg.mma_regs)):
+            if r % 8 or not 24 <= r <= 256:
+                return False, f"{name} {r}: setmaxnreg takes multiples of 8 in [24, 256]"
+        per_slot = (cfg.num_producer_warpgroups * cfg.producer_regs
+                    + cfg.num_mma_warpgroups * cfg.mma_regs)
+        roles = WarpRoles.of(cfg)
+        if roles.first_converter + roles.num_converters > cfg.num_producer_threads:
+            return False, (f"{roles.num_converters} converting threads after the copy warps "
+                           f"do not fit in {cfg.num_producer_warpgroups} producer warpgroups")
+        if WARPGROUP_THREADS * per_slot * cfg.ctas_per_sm > REGISTERS_PER_SM:
+            regs = WARPGROUP_THREADS * per_slot
+            return False, f"{regs} registers x {cfg.ctas_per_sm} CTAs > {REGISTERS_PER_SM}"
+        # setmaxnreg.inc draws only on what the CTA's own warps gave back with .dec: the
+        # split must fit in the registers the CTA was launched with, or the MMA warpgroups'
+        # increase waits forever (a hang, not an error).
+        launched = cfg.launch_regs() * (cfg.num_mma_warpgroups + cfg.num_producer_warpgroups)
+        if per_slot > launched:
+            return False, (f"setmaxnreg split {cfg.num_producer_warpgroups} x "
+                           f"{cfg.producer_regs} + {cfg.num_mma_warpgroups} x "
+                           f"{cfg.mma_regs} exceeds the {launched} registers a thread slot of "
+                           f"each warpgroup was launched with ({cfg.launch_regs()} each)")
+        # The launch cap (registers per thread at entry) must hold the larger role.
+        if cfg.launch_regs() < cfg.producer_regs:
+            return False, "the launch register cap is below the producer's"
+        return True, ""
+
+    @classmethod
+    def smem_bytes(cls, cfg: KernelConfig) -> int:
+        """Q tile + K/V stages + the fp8 staging + the decode-combine scratch (also
+        warpgroup 0's O staging) + warpgroup 1's O staging + the gather's page lookups +
+        barriers and alignment (`launch_kernel`'s SharedStorage)."""
+        e, d = cfg.elem_bytes, cfg.head_dim
+        q = cfg.tile_m_prefill * d * e
+        kv = 2 * cfg.num_stages * cfg.tile_n * d * e
+        scratch = max(4 * cfg.combine_floats, staging_bytes(cfg))
+        pages = 2 * cfg.tile_n * 4
+        fp8 = 2 * cfg.fp8_stages * cfg.tile_n * d
+        return q + kv + fp8 + scratch + staging_bytes(cfg) + pages + 6 * 1024
 
     def _tiled_mmas(self):
         """One warpgroup's MMAs (each MMA warpgroup partitions its own 64-row slice)."""
@@ -125,36 +310,8 @@ class PodAttentionSm90(PodKernelBase):
         )
         return tiled_mma_qk, tiled_mma_pv
 
-    @cute.jit
-    def __call__(
-        self,
-        mQ: cute.Tensor,  # [T, Hq, D]
-        mK: cute.Tensor,  # [pages, page_size, Hkv, D]: launch() passes HND as this view
-        mV: cute.Tensor,
-        mO: cute.Tensor,  # [T, Hq, D]
-        mLSE: Optional[cute.Tensor],  # [T, Hq] fp32 or None
-        mSinks: Optional[cute.Tensor],  # [Hq] fp32 sink logits (has_sinks) or None
-        mKScale: Optional[cute.Tensor],  # fp8 cache: [Hkv] or [1] fp32 dequant scales
-        mVScale: Optional[cute.Tensor],
-        mKRagged: Optional[cute.Tensor],  # ragged_kv: request 0's K/V, [1, kv_len, Hkv, D]
-        mVRagged: Optional[cute.Tensor],
-        mWork: cute.Tensor,  # [items, WORK_COLS] int32 (metadata.WorkCol)
-        mCtaPtr: cute.Tensor,  # [grid + 1] int32
-        mQStart: cute.Tensor,  # [B + 1] int32
-        mKvLen: cute.Tensor,  # [B] int32
-        mPageStart: cute.Tensor,  # [B] int32
-        mPageList: cute.Tensor,  # flat int32 page indices (plan-owned)
-        mPartialO: cute.Tensor,  # [slots, tile_m, D] fp32
-        mPartialLSE: cute.Tensor,  # [slots, tile_m] fp32
-        mMerge: cute.Tensor,  # [merges, MERGE_COLS] int32 (metadata.MergeCol)
-        mSlotMerge: cute.Tensor,  # [slots] int32: merge row of each split slot
-        mMergeSem: cute.Tensor,  # [merges] int32 semaphores, zero between launches
-        mParams: cute.Tensor,  # [NUM_PARAMS] fp32 (metadata.Param)
-        mIParams: cute.Tensor,  # the same words as int32 (metadata.IParam)
-        page_shift: Int32,  # log2(page_size): page sizes are powers of two
-        num_ctas: Int32,
-        stream: cuda.CUstream,
-    ):
+    def launch_kernel(self, io: PodTensors, plan: PlanTensors, num_ctas: Int32,
+                      stream: cuda.CUstream):
         tile_n, d = self.tile_n, self.head_dim
         tiled_mma_qk, tiled_mma_pv = self._tiled_mmas()
         sQ_layout = tile_smem_layout(self.dtype, self.tile_m, d)
@@ -169,8 +326,8 @@ class PodAttentionSm90(PodKernelBase):
             (self.cfg.combine_chunk + 2 * rows_per_thread, WARPGROUP_THREADS),
             stride=(WARPGROUP_THREADS, 1))
         # The scratch is also warpgroup 0's O staging tile; warpgroup 1 has its own.
-        scratch_words = max(self.cfg.combine_floats, self.cfg.staging_bytes() // 4)
-        staging_elems = max(self.cfg.staging_bytes() // self.cfg.elem_bytes, 8)
+        scratch_words = max(self.cfg.combine_floats, staging_bytes(self.cfg) // 4)
+        staging_elems = max(staging_bytes(self.cfg) // self.cfg.elem_bytes, 8)
         # fp8 staging: row-major; 128-byte swizzled for the warp-level decode path (its
         # loads take 16-byte pieces of 8 rows at once, decode_fp8.py), else unswizzled (the
         # converters read 16-byte row pieces; 8 threads of a warp cover 128 contiguous
@@ -203,74 +360,25 @@ class PodAttentionSm90(PodKernelBase):
             pages: cute.struct.MemRange[Int32, 2 * self.tile_n]  # gather: page of each row
 
         self.shared_storage = SharedStorage
-        tma_atom_k = tma_atom_v = tma_atom_kr = tma_atom_vr = None
+        tma_atoms = None
         if const_expr(self.tma_kv):
-            # Boxes of (kv_box slots, one swizzle-atom column block) over (slot, dim,
-            # kv_head, page): every box lies inside one page of one head and lands as a
-            # contiguous piece of a column block of the tile (docs/design.md).
+            # Boxes of (kv_box slots, one swizzle-atom column block) (docs/design.md).
             box = (self.cfg.kv_box, self.box_cols)
             box_layout = tile_smem_layout(self.kv_dtype, self.cfg.kv_box, self.box_cols)
             if const_expr(self.fp8 and not self.cfg.warp_decode):
                 box_layout = cute.make_layout(box, stride=(d, 1))
-            op = cpasync.CopyBulkTensorTileG2SOp()
-            tma_atom_k, mK = cpasync.make_tiled_tma_atom(
-                op, layouts.kv_tma_view(mK), box_layout, box)
-            tma_atom_v, mV = cpasync.make_tiled_tma_atom(
-                op, layouts.kv_tma_view(mV), box_layout, box)
-            if const_expr(self.cfg.ragged_kv):
-                # The ragged source is one page of kv_len slots: a box past its end is
-                # out of bounds on the slot mode, which TMA fills with zeros.
-                tma_atom_kr, mKRagged = cpasync.make_tiled_tma_atom(
-                    op, layouts.kv_tma_view(mKRagged), box_layout, box)
-                tma_atom_vr, mVRagged = cpasync.make_tiled_tma_atom(
-                    op, layouts.kv_tma_view(mVRagged), box_layout, box)
+            tma_atoms, io = make_kv_tma_atoms(io, box_layout, box, self.cfg.ragged_kv)
         self.kernel(
-            mQ, mK, mV, mKRagged, mVRagged, mO, mLSE, mSinks, mKScale, mVScale, mWork, mCtaPtr, mQStart, mKvLen,
-            mPageStart, mPageList, mPartialO, mPartialLSE, mMerge, mSlotMerge, mMergeSem, mParams,
-            mIParams, page_shift, tma_atom_k, tma_atom_v, tma_atom_kr, tma_atom_vr, tiled_mma_qk, tiled_mma_pv, sQ_layout,
-            sK_layout, sV_layout, s8_layout, scratch_layout,
-        ).launch(
-            grid=[num_ctas, 1, 1],
-            block=[self.cfg.num_threads, 1, 1],
-            stream=stream,
-            # The register cap setmaxnreg needs (ptxas drops it without one).
-            min_blocks_per_mp=self.cfg.ctas_per_sm,
-            # Saying so keeps compilation free of device queries (cross-compiles without
-            # a GPU); the CTA needs most of the SM's shared memory anyway.
-            preferred_smem_carveout=100,
-        )
+            io, plan, tma_atoms, tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sV_layout,
+            s8_layout, scratch_layout,
+        ).launch(**self.launch_options(num_ctas, stream))
 
     @cute.kernel
     def kernel(
         self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mKRagged: Optional[cute.Tensor],
-        mVRagged: Optional[cute.Tensor],
-        mO: cute.Tensor,
-        mLSE: Optional[cute.Tensor],
-        mSinks: Optional[cute.Tensor],
-        mKScale: Optional[cute.Tensor],
-        mVScale: Optional[cute.Tensor],
-        mWork: cute.Tensor,
-        mCtaPtr: cute.Tensor,
-        mQStart: cute.Tensor,
-        mKvLen: cute.Tensor,
-        mPageStart: cute.Tensor,
-        mPageList: cute.Tensor,
-        mPartialO: cute.Tensor,
-        mPartialLSE: cute.Tensor,
-        mMerge: cute.Tensor,
-        mSlotMerge: cute.Tensor,
-        mMergeSem: cute.Tensor,
-        mParams: cute.Tensor,
-        mIParams: cute.Tensor,
-        page_shift: Int32,
-        tma_atom_k: Optional[cute.CopyAtom],
-        tma_atom_v: Optional[cute.CopyAtom],
-        tma_atom_kr: Optional[cute.CopyAtom],
-        tma_atom_vr: Optional[cute.CopyAtom],
+        io: PodTensors,  # (mK, mV and the ragged pair: TMA views with TMA)
+        plan: PlanTensors,
+        tma_atoms: Optional[KvTmaAtoms],
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
         sQ_layout: cute.ComposedLayout,
@@ -285,7 +393,7 @@ class PodAttentionSm90(PodKernelBase):
 
         producers = pipeline.CooperativeGroup(pipeline.Agent.Thread, WARPGROUP_THREADS)
         q_loaders = pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                              32 * self.cfg.q_loaders[1])
+                                              32 * self.roles.q_loaders[1])
         consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads)
         pipeline_q = pipeline.PipelineCpAsync.create(
             barrier_storage=storage.mbar_q.data_ptr(), num_stages=1,
@@ -305,13 +413,11 @@ class PodAttentionSm90(PodKernelBase):
             barrier_storage=storage.mbar_combine.data_ptr(), num_stages=1,
             producer_group=wg_group, consumer_group=wg_group, defer_sync=True,
         )
+        pipes = Pipelines(pipeline_q, pipeline_k, pipeline_v, pipeline_k8, pipeline_v8,
+                          pipeline_combine)
         if const_expr(self.tma_kv):
             if warp_idx == 0:
-                cpasync.prefetch_descriptor(tma_atom_k)
-                cpasync.prefetch_descriptor(tma_atom_v)
-                if const_expr(self.cfg.ragged_kv):
-                    cpasync.prefetch_descriptor(tma_atom_kr)
-                    cpasync.prefetch_descriptor(tma_atom_vr)
+                tma_atoms.prefetch()
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -328,6 +434,7 @@ class PodAttentionSm90(PodKernelBase):
             else:
                 sK8 = storage.sK8.get_tensor(s8_layout)
                 sV8 = storage.sV8.get_tensor(s8_layout)
+        smem_tiles = SmemTiles(sQ, sK, sV, sK8, sV8)
 
         # This CTA's item list is read after setmaxnreg: a value live across the register
         # reallocation goes through local memory (a spill).
@@ -335,11 +442,9 @@ class PodAttentionSm90(PodKernelBase):
         if warp_idx < self.cfg.num_producer_threads // 32:
             cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
             self.produce(
-                mQ, mK, mV, mKRagged, mVRagged, mWork, mQStart, mKvLen, mPageStart, mPageList,
-                page_shift, tma_atom_k, tma_atom_v, tma_atom_kr, tma_atom_vr, sQ, sK, sV, sK8, sV8,
-                *self.fp8_words(storage), storage.pages.get_tensor(cute.make_layout((self.tile_n, 2))),
-                pipeline_q, pipeline_k, pipeline_v, pipeline_k8, pipeline_v8, mCtaPtr[cta],
-                mCtaPtr[cta + 1],
+                io, plan, tma_atoms, smem_tiles, *self.fp8_words(storage),
+                storage.pages.get_tensor(cute.make_layout((self.tile_n, 2))), pipes,
+                plan.mCtaPtr[cta], plan.mCtaPtr[cta + 1],
             )
             # Stay until the MMA warpgroups are done: no warp of the CTA exits early
             # (compute-sanitizer's racecheck mis-orders named barriers across exited
@@ -348,20 +453,13 @@ class PodAttentionSm90(PodKernelBase):
                               number_of_threads=self.cfg.num_threads)
         else:
             cute.arch.setmaxregister_increase(self.cfg.mma_regs)
-            staging_row = self.cfg.staging_row
+            row = staging_row(self.cfg)
             self.consume(
-                mO, mLSE, mSinks, mKScale, mVScale, mWork, mQStart, mKvLen, mPageStart,
-                mPartialO, mPartialLSE,
-                mMerge, mSlotMerge, mMergeSem,
+                io, plan,
                 storage.scratch.get_tensor(scratch_layout),
-                staging_tile(storage.scratch.data_ptr(), self.dtype, WG_ROWS, self.head_dim,
-                             staging_row),
-                staging_tile(storage.staging1.data_ptr(), self.dtype, WG_ROWS, self.head_dim,
-                             staging_row),
-                mParams, mIParams, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV,
-                *self.fp8_words(storage),
-                pipeline_q, pipeline_k, pipeline_v, pipeline_k8, pipeline_v8, pipeline_combine,
-                mCtaPtr,
+                staging_tile(storage.scratch.data_ptr(), self.dtype, WG_ROWS, self.head_dim, row),
+                staging_tile(storage.staging1.data_ptr(), self.dtype, WG_ROWS, self.head_dim, row),
+                tiled_mma_qk, tiled_mma_pv, smem_tiles, *self.fp8_words(storage), pipes,
             )
             cute.arch.barrier_arrive(barrier_id=NamedBarrier.CTA_END,
                                      number_of_threads=self.cfg.num_threads)
@@ -385,7 +483,7 @@ class PodAttentionSm90(PodKernelBase):
             return pipeline.PipelineAsync.create(
                 barrier_storage=barriers, num_stages=self.num_stages,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                         self.cfg.CONVERTER_GROUP_THREADS),
+                                                         CONVERTER_GROUP_THREADS),
                 consumer_group=consumers, defer_sync=True,
             )
         if const_expr(self.tma_kv):
@@ -408,7 +506,7 @@ class PodAttentionSm90(PodKernelBase):
         """The fp8 staging stages: filled by TMA (one elected thread arms each with the
         tile's bytes) or by the cp.async loaders; released by the converting warps, or by
         the MMA warps on the warp-level decode path."""
-        converters = self.cfg.CONVERTER_GROUP_THREADS  # (each stage: one group's)
+        converters = CONVERTER_GROUP_THREADS  # (each stage: one group's)
         if const_expr(self.tma_kv):
             # One arrival per warp: a converter group's (its first warp twice) or, on the
             # warp-level decode path, the reading MMA warpgroup's (KernelConfig).
@@ -416,14 +514,14 @@ class PodAttentionSm90(PodKernelBase):
                 barrier_storage=barriers, num_stages=self.cfg.fp8_stages,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
                 consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                         self.cfg.FP8_STAGE_ARRIVALS),
+                                                         FP8_STAGE_ARRIVALS),
                 tx_count=self.tile_n * self.head_dim * self.kv_dtype.width // 8,
                 defer_sync=True,
             )
         return pipeline.PipelineCpAsync.create(
             barrier_storage=barriers, num_stages=self.cfg.fp8_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                     self.cfg.num_loaders),
+                                                     self.roles.num_loaders),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, converters),
             defer_sync=True,
         )
@@ -439,74 +537,39 @@ class PodAttentionSm90(PodKernelBase):
     # ---- producer ---------------------------------------------------------------------
 
     @cute.jit
-    def produce(
-        self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mKRagged: Optional[cute.Tensor],
-        mVRagged: Optional[cute.Tensor],
-        mWork: cute.Tensor,
-        mQStart: cute.Tensor,
-        mKvLen: cute.Tensor,
-        mPageStart: cute.Tensor,
-        mPageList: cute.Tensor,
-        page_shift: Int32,
-        tma_atom_k: Optional[cute.CopyAtom],
-        tma_atom_v: Optional[cute.CopyAtom],
-        tma_atom_kr: Optional[cute.CopyAtom],
-        tma_atom_vr: Optional[cute.CopyAtom],
-        sQ: cute.Tensor,
-        sK: cute.Tensor,
-        sV: cute.Tensor,
-        sK8: cute.Tensor,
-        sV8: cute.Tensor,
-        sK8w: cute.Tensor,
-        sV8w: cute.Tensor,
-        sPages: cute.Tensor,
-        pipeline_q: pipeline.PipelineAsync,
-        pipeline_k: pipeline.PipelineAsync,
-        pipeline_v: pipeline.PipelineAsync,
-        pipeline_k8: Optional[pipeline.PipelineAsync],
-        pipeline_v8: Optional[pipeline.PipelineAsync],
-        item_begin: Int32,
-        item_end: Int32,
-    ):
-        """Q of every item by the producer warps `cfg.q_loaders`; K/V tiles by TMA (warp 0)
+    def produce(self, io: PodTensors, plan: PlanTensors, tma_atoms: Optional[KvTmaAtoms],
+                smem: SmemTiles, sK8w: Optional[cute.Tensor], sV8w: Optional[cute.Tensor],
+                sPages: cute.Tensor, pipes: Pipelines, item_begin: Int32, item_end: Int32):
+        """Q of every item by the producer warps `WarpRoles.q_loaders`; K/V tiles by TMA (warp 0)
         or a cp.async gather. With an fp8 cache the copies land in the fp8 staging stages and
         the other producer warps, a second warpgroup's included, convert each tile into
-        the 16-bit stage (`convert_kv`)."""
+        the 16-bit stage (`convert_kv`). `sK8w`/`sV8w`: the fp8 stages as words
+        (`fp8_words`); `sPages`: the gather's page lookups, (tile_n, 2)."""
         tile_n, d = self.tile_n, self.head_dim
         tidx = cute.arch.thread_idx()[0]
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        page_divisor = layouts.PageShift(page_shift)
+        paged = PagedKV.create(plan.mPageList, plan.page_shift, tile_n)
         # Q rows resolve their own addresses (4 threads a row: few rows per thread; a lone
         # Q warp loops over its rows, 8 threads a row: fewer addresses live, no spill);
         # K/V rows read their pages from shared memory (8 threads a row: whole 128 B lines).
-        first_q_warp, q_warps = self.cfg.q_loaders
+        first_q_warp, q_warps = self.roles.q_loaders
         q_gather = RowGather.create(self.dtype, self.tile_m, d, 32 * q_warps,
                                     tidx - 32 * first_q_warp,
                                     threads_per_row=8 if q_warps == 1 else 4,
                                     rolled=q_warps == 1)
         kv_gather = None
         if const_expr(not self.tma_kv):
-            kv_gather = RowGather.create(self.kv_dtype, tile_n, d, self.cfg.num_loaders, tidx)
-        # Where the K/V copies land: the 16-bit stages, or the fp8 staging stages.
-        sK_in, sV_in, pipe_k_in, pipe_v_in = sK, sV, pipeline_k, pipeline_v
+            kv_gather = RowGather.create(self.kv_dtype, tile_n, d, self.roles.num_loaders, tidx)
         dequant = group = None
         if const_expr(self.fp8):
-            sK_in, sV_in, pipe_k_in, pipe_v_in = sK8, sV8, pipeline_k8, pipeline_v8
-            group_threads = self.cfg.CONVERTER_GROUP_THREADS
-            dequant = Dequant((tidx - self.cfg.first_converter) % group_threads, group_threads,
+            group_threads = CONVERTER_GROUP_THREADS
+            dequant = Dequant((tidx - self.roles.first_converter) % group_threads, group_threads,
                               self.cfg.kv_dtype, self.cfg.warp_decode)
             # This warp's converter group (converter_groups or more: an idle warp).
-            group = (warp - self.cfg.first_converter // 32) // (group_threads // 32)
+            group = (warp - self.roles.first_converter // 32) // (group_threads // 32)
         items = partial(
-            self.produce_items, mQ, mK, mV, mKRagged, mVRagged, mWork, mQStart, mKvLen,
-            mPageStart, mPageList, page_divisor, tma_atom_k, tma_atom_v, tma_atom_kr,
-            tma_atom_vr, sQ, sK, sV, sK_in, sV_in, sK8w, sV8w, sPages, pipeline_q, pipeline_k,
-            pipeline_v, pipe_k_in, pipe_v_in, pipeline_k8, pipeline_v8, q_gather, kv_gather,
-            dequant, group, item_begin, item_end)
+            self.produce_items, io, plan, paged, tma_atoms, smem, sK8w, sV8w, sPages, pipes,
+            q_gather, kv_gather, dequant, group, item_begin, item_end)
         if const_expr(self.fp8 and self.tma_kv):
             # Disjoint warp roles, one item loop each: what one role's loop keeps live (the
             # converters' hoisted swizzled addresses) is then not live in the others' (64
@@ -521,22 +584,26 @@ class PodAttentionSm90(PodKernelBase):
             items(roles=ROLE_Q | ROLE_COPY | ROLE_CONVERT)
 
     @cute.jit
-    def produce_items(self, mQ, mK, mV, mKRagged, mVRagged, mWork, mQStart, mKvLen,
-                      mPageStart, mPageList, page_divisor, tma_atom_k, tma_atom_v, tma_atom_kr,
-                      tma_atom_vr, sQ, sK, sV, sK_in, sV_in, sK8w, sV8w, sPages, pipeline_q,
-                      pipeline_k, pipeline_v, pipe_k_in, pipe_v_in, pipeline_k8, pipeline_v8,
-                      q_gather, kv_gather, dequant, group, item_begin: Int32, item_end: Int32,
+    def produce_items(self, io: PodTensors, plan: PlanTensors, paged: PagedKV,
+                      tma_atoms: Optional[KvTmaAtoms], smem: SmemTiles, sK8w, sV8w, sPages,
+                      pipes: Pipelines, q_gather: RowGather, kv_gather: Optional[RowGather],
+                      dequant: Optional[Dequant], group, item_begin: Int32, item_end: Int32,
                       roles: cutlass.Constexpr[int]):
         """The producer warps' work for each of the CTA's items in order, of the `roles`
         (ROLE_* bits) this warp plays: its Q rows, its K/V copies, its conversions. Every
         role counts the K/V tiles itself (each pipeline's count is the same in every role)."""
         tile_n = self.tile_n
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        first_q_warp, q_warps = self.cfg.q_loaders
+        first_q_warp, q_warps = self.roles.q_loaders
+        # Where the K/V copies land: the 16-bit stages, or the fp8 staging stages.
+        sK_in, sV_in, pipe_k_in, pipe_v_in = smem.sK, smem.sV, pipes.k, pipes.v
+        if const_expr(self.fp8):
+            sK_in, sV_in, pipe_k_in, pipe_v_in = smem.sK8, smem.sV8, pipes.k8, pipes.v8
         kv_count = Int32(0)  # K/V tiles produced so far
         for i in cutlass.range(item_begin, item_end, unroll=1):
-            item = WorkItem.load(mWork, mQStart, mKvLen, mPageStart, i)
-            load_q = partial(self.produce_q, mQ, sQ, q_gather, pipeline_q, item, i - item_begin)
+            item = WorkItem.load(plan, i)
+            load_q = partial(self.produce_q, io.mQ, smem.sQ, q_gather, pipes.q, item,
+                             i - item_begin)
             if const_expr(roles & ROLE_Q):
                 if const_expr(q_warps == self.cfg.num_producer_threads // 32):
                     load_q()  # every producer warp
@@ -544,53 +611,51 @@ class PodAttentionSm90(PodKernelBase):
                     if warp >= first_q_warp and warp < first_q_warp + q_warps:
                         load_q()
             n_min, n_max, _ = item.tile_bounds(item.row_start, self.group, self.causal, tile_n)
-            convert = partial(self.convert_kv, dequant, sK8w, sV8w, sK, sV, pipeline_k8,
-                              pipeline_v8, pipeline_k, pipeline_v, kv_count, item, n_min, n_max,
-                              group)
+            convert = partial(self.convert_kv, dequant, sK8w, sV8w, smem.sK, smem.sV, pipes,
+                              kv_count, item, n_min, n_max, group)
             if const_expr(self.tma_kv):
                 if const_expr(roles & ROLE_COPY):
                     if warp == 0:  # one warp issues the boxes
-                        tma = partial(self.produce_kv_tma, mPageList=mPageList,
-                                      page_divisor=page_divisor, sK=sK_in, sV=sV_in,
+                        tma = partial(self.produce_kv_tma, paged=paged, sK=sK_in, sV=sV_in,
                                       pipeline_k=pipe_k_in, pipeline_v=pipe_v_in,
                                       kv_count=kv_count, item=item, n_min=n_min, n_max=n_max)
                         # The ragged source's item takes its own copy of the loop: a runtime
                         # choice inside it would cost the 24-register producer spills.
-                        paged = partial(tma, mK=mK, mV=mV, tma_atom_k=tma_atom_k,
-                                        tma_atom_v=tma_atom_v)
+                        paged_copies = partial(tma, mK=io.mK, mV=io.mV, tma_atom_k=tma_atoms.k,
+                                               tma_atom_v=tma_atoms.v)
                         if const_expr(self.cfg.ragged_kv):
                             if item.req == layouts.RAGGED_REQUEST:
-                                tma(mK=mKRagged, mV=mVRagged, tma_atom_k=tma_atom_kr,
-                                    tma_atom_v=tma_atom_vr, ragged=True)
+                                tma(mK=io.mKRagged, mV=io.mVRagged,
+                                    tma_atom_k=tma_atoms.k_ragged,
+                                    tma_atom_v=tma_atoms.v_ragged, ragged=True)
                             else:
-                                self.copies_by_kind(paged, item)
+                                self.copies_by_kind(paged_copies, item)
                         else:
-                            self.copies_by_kind(paged, item)
+                            self.copies_by_kind(paged_copies, item)
                 if const_expr(self.fp8 and roles & ROLE_CONVERT):
-                    if warp != 0 and group < self.cfg.converter_groups:
+                    if warp != 0 and group < self.roles.converter_groups:
                         convert()
             else:
                 l2_policy = None
                 if const_expr(self.cfg.decode_kv_evict_first):
                     l2_policy = l2_policy_read_once(item.is_decode)
-                gather = partial(self.produce_kv_gather, mPageList=mPageList,
-                                 page_divisor=page_divisor, kv_gather=kv_gather, sK=sK_in,
-                                 sV=sV_in, sPages=sPages, pipeline_k=pipe_k_in,
+                gather = partial(self.produce_kv_gather, paged=paged, kv_gather=kv_gather,
+                                 sK=sK_in, sV=sV_in, sPages=sPages, pipeline_k=pipe_k_in,
                                  pipeline_v=pipe_v_in, kv_count=kv_count, item=item,
                                  n_min=n_min, n_max=n_max, l2_policy=l2_policy)
                 if const_expr(self.fp8):  # (one loop for all roles: roles is every bit)
-                    if warp < self.cfg.num_loaders // 32:  # loaders, then converters
-                        gather(mK=mK, mV=mV)
+                    if warp < self.roles.num_loaders // 32:  # loaders, then converters
+                        gather(mK=io.mK, mV=io.mV)
                     else:
                         convert()
                 else:  # the whole warpgroup
                     if const_expr(self.cfg.ragged_kv):
                         if item.req == layouts.RAGGED_REQUEST:
-                            gather(mK=mKRagged, mV=mVRagged, ragged=True)
+                            gather(mK=io.mKRagged, mV=io.mVRagged, ragged=True)
                         else:
-                            gather(mK=mK, mV=mV)
+                            gather(mK=io.mK, mV=io.mV)
                     else:
-                        gather(mK=mK, mV=mV)
+                        gather(mK=io.mK, mV=io.mV)
             kv_count += n_max - n_min
 
     @cute.jit
@@ -615,8 +680,8 @@ class PodAttentionSm90(PodKernelBase):
 
     @cute.jit
     def convert_kv(self, dequant: Dequant, sK8w: cute.Tensor, sV8w: cute.Tensor, sK: cute.Tensor,
-                   sV: cute.Tensor, pipeline_k8, pipeline_v8, pipeline_k, pipeline_v,
-                   kv_count: Int32, item: WorkItem, n_min: Int32, n_max: Int32, group: Int32):
+                   sV: cute.Tensor, pipes: Pipelines, kv_count: Int32, item: WorkItem,
+                   n_min: Int32, n_max: Int32, group: Int32):
         """Dequantise the item's staged fp8 K and V tiles of this converter group (those
         whose pipeline count is the group mod converter_groups; tile n_min is the
         kv_count-th of every pipeline) into their 16-bit stages. V rows past the item's
@@ -627,21 +692,21 @@ class PodAttentionSm90(PodKernelBase):
         (empty) as the MMA warps' go-ahead, and the MMA warps free the fp8 stage. So every
         pipeline keeps one count for all items, and no group ever waits on a stage a
         phase ahead of its fill (each group sees every fill of its stages in order)."""
-        groups = self.cfg.converter_groups
+        groups = self.roles.converter_groups
         first = n_min + (group - kv_count % groups + groups) % groups
         convert = Int32(1)
         if const_expr(self.cfg.warp_decode):
             convert = 1 - self.warp_decodes(item)
         # (a freed TMA stage takes 4 arrivals: the group's first warp arrives twice)
         first_warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) == (
-            self.cfg.first_converter // 32 + group * (self.cfg.CONVERTER_GROUP_THREADS // 32))
+            self.roles.first_converter // 32 + group * (CONVERTER_GROUP_THREADS // 32))
         for n_block in cutlass.range(first, n_max, groups, unroll=1):
             count = kv_count + n_block - n_min
             s8 = stage(count, self.cfg.fp8_stages)
             s16 = stage(count, self.num_stages, producer=True)
             for sX8w, sX, pipe8, pipe, zero_from in (
-                    (sK8w, sK, pipeline_k8, pipeline_k, Int32(self.tile_n)),
-                    (sV8w, sV, pipeline_v8, pipeline_v, item.kv_end - n_block * self.tile_n)):
+                    (sK8w, sK, pipes.k8, pipes.k, Int32(self.tile_n)),
+                    (sV8w, sV, pipes.v8, pipes.v, item.kv_end - n_block * self.tile_n)):
                 pipe8.consumer_wait(s8)
                 pipe.producer_acquire(s16)
                 if convert != 0:
@@ -677,8 +742,8 @@ class PodAttentionSm90(PodKernelBase):
         pipeline_q.producer_commit(q_state)
 
     @cute.jit
-    def produce_kv_tma(self, mK, mV, mPageList, page_divisor, tma_atom_k, tma_atom_v,
-                       sK, sV, pipeline_k, pipeline_v, kv_count: Int32, item: WorkItem,
+    def produce_kv_tma(self, mK, mV, paged: PagedKV, tma_atom_k, tma_atom_v, sK, sV,
+                       pipeline_k, pipeline_v, kv_count: Int32, item: WorkItem,
                        n_min: Int32, n_max: Int32, ragged: cutlass.Constexpr[bool] = False,
                        l2_policy: Optional[Int64] = None):
         """TMA boxes of `kv_box` page slots x one swizzle column block for every K and V
@@ -694,10 +759,11 @@ class PodAttentionSm90(PodKernelBase):
         table; boxes past its end are zero-filled). `l2_policy`: the copies' L2 cache
         hint (KernelConfig.decode_kv_evict_first), or none.
         """
-        tile_n, kv_box = self.tile_n, self.cfg.kv_box
-        boxes = tile_n // kv_box
-        tKsK, tKgK = self._tma_tiles(tma_atom_k, mK, sK, item.kv_head)
-        tVsV, tVgV = self._tma_tiles(tma_atom_v, mV, sV, item.kv_head)
+        kv_box = self.cfg.kv_box
+        boxes = self.tile_n // kv_box
+        tiler = (kv_box, self.box_cols)
+        tKsK, tKgK = tma_kv_tiles(tma_atom_k, mK, sK, item.kv_head, tiler)
+        tVsV, tVgV = tma_kv_tiles(tma_atom_v, mV, sV, item.kv_head, tiler)
         pieces = cute.size(tKsK, mode=[2])  # column blocks of a box row
         lane = cute.arch.lane_idx()
         # fp8: the warp's lanes look up the boxes of `ahead` tiles at once (lane l: box
@@ -707,13 +773,16 @@ class PodAttentionSm90(PodKernelBase):
         # (16-bit variants keep the in-place lookup of one tile their sanitizer runs vouch
         # for.)
         ahead = 32 // boxes if self.fp8 else 1
-        locate = partial(self._locate_box, mPageList, page_divisor, item, lane % boxes, ragged)
+
+        locate = partial(paged.box, item, lane % boxes, kv_box, ragged)
         lane_tile = lane // boxes if self.fp8 else 0
         next_page, next_box = Int32(0), Int32(0)  # (fp8: the next group's lookups)
         if const_expr(self.fp8):
             if n_min < n_max:
                 next_page, next_box = locate(cutlass.min(n_min + lane_tile, n_max - 1))
         tile_page, tile_box = Int32(0), Int32(0)
+        copy_boxes = partial(copy_kv_boxes, boxes=boxes, pieces=pieces, whole_rows=self.fp8,
+                             l2_policy=l2_policy)
         for n_block in cutlass.range(n_min, n_max, unroll=1):
             if const_expr(self.fp8):
                 in_group = (n_block - n_min) % ahead
@@ -726,61 +795,14 @@ class PodAttentionSm90(PodKernelBase):
                 tile_page, tile_box = locate(n_block)
             kv_state = stage(kv_count + n_block - n_min, self.copy_stages, producer=True)
             pipeline_k.producer_acquire(kv_state)
-            self._copy_boxes(tma_atom_k, tKgK, tKsK, tile_page, tile_box, in_group * boxes,
-                             kv_state, pipeline_k.producer_get_barrier(kv_state), boxes, pieces,
-                             l2_policy)
+            copy_boxes(tma_atom_k, tKgK, tKsK, tile_page, tile_box, in_group * boxes,
+                       kv_state.index, pipeline_k.producer_get_barrier(kv_state))
             pipeline_v.producer_acquire(kv_state)
-            self._copy_boxes(tma_atom_v, tVgV, tVsV, tile_page, tile_box, in_group * boxes,
-                             kv_state, pipeline_v.producer_get_barrier(kv_state), boxes, pieces,
-                             l2_policy)
+            copy_boxes(tma_atom_v, tVgV, tVsV, tile_page, tile_box, in_group * boxes,
+                       kv_state.index, pipeline_v.producer_get_barrier(kv_state))
 
     @cute.jit
-    def _locate_box(self, mPageList, page_divisor, item: WorkItem, lane_box: Int32,
-                    ragged: cutlass.Constexpr[bool], n_block: Int32):
-        """(page, box within the page) of this lane's box of KV tile n_block (tokens past
-        kv_end clamp to the item's last one); on the ragged source, page 0."""
-        token = layouts.clamp_token(n_block * self.tile_n, lane_box * self.cfg.kv_box,
-                                    item.kv_end)
-        page, slot = Int32(0), token
-        if const_expr(not ragged):
-            page, slot = layouts.kv_locate(mPageList, item.page_start, token, page_divisor)
-        return page, slot // self.cfg.kv_box
-
-    @cute.jit
-    def _copy_boxes(self, tma_atom, tXgX, tXsX, page: Int32, box_in_page: Int32,
-                    first_lane: Int32, kv_state, barrier, boxes: cutlass.Constexpr[int],
-                    pieces: cutlass.Constexpr[int], l2_policy: Optional[Int64] = None):
-        """The boxes of one K or V tile: box j from lane first_lane + j's (page, box within
-        page). A rolled loop: unrolled, the compiler hoists every broadcast ahead of the
-        copies and the producer's 24 registers spill."""
-        hint = {} if const_expr(l2_policy is None) else {"cache_policy": l2_policy}
-        if const_expr(boxes == 1 and not self.fp8):
-            for h in cutlass.range_constexpr(pieces):
-                cute.copy(tma_atom, tXgX[None, box_in_page, h, page],
-                          tXsX[None, 0, h, kv_state.index], tma_bar_ptr=barrier, **hint)
-        else:
-            # fp8 (one copy per box: a whole 128-byte row, so the broadcasts are half the
-            # work): unrolled, their latencies overlap; the 64-register producer has room.
-            for j in cutlass.range(boxes, unroll=boxes if self.fp8 else 1):
-                page_j = cute.arch.shuffle_sync(page, first_lane + j)
-                box_j = cute.arch.shuffle_sync(box_in_page, first_lane + j)
-                for h in cutlass.range_constexpr(pieces):
-                    cute.copy(tma_atom, tXgX[None, box_j, h, page_j],
-                              tXsX[None, j, h, kv_state.index], tma_bar_ptr=barrier, **hint)
-
-    def _tma_tiles(self, tma_atom, mX_tma, sX, kv_head):
-        """(smem boxes (TMA, box, column block, stage), gmem boxes (TMA, box within page,
-        column block, page)) for one KV head."""
-        tiler = (self.cfg.kv_box, self.box_cols)
-        gX = cute.flat_divide(mX_tma[None, None, kv_head, None], tiler)
-        sXd = cute.flat_divide(sX, tiler)
-        return cpasync.tma_partition(
-            tma_atom, 0, cute.make_layout(1),
-            cute.group_modes(sXd, 0, 2), cute.group_modes(gX, 0, 2),
-        )
-
-    @cute.jit
-    def produce_kv_gather(self, mK, mV, mPageList, page_divisor, kv_gather, sK, sV, sPages,
+    def produce_kv_gather(self, mK, mV, paged: PagedKV, kv_gather, sK, sV, sPages,
                           pipeline_k, pipeline_v, kv_count: Int32, item: WorkItem,
                           n_min: Int32, n_max: Int32, ragged: cutlass.Constexpr[bool] = False,
                           l2_policy: Optional[Int64] = None):
@@ -795,25 +817,23 @@ class PodAttentionSm90(PodKernelBase):
         the ragged source, one page of the item's tokens: rows need no lookup (the
         barrier stays, so sPages' double-buffering holds across items of both sources).
         """
-        tile_n = self.tile_n
         tidx = cute.arch.thread_idx()[0]
         if const_expr(not ragged):
             if n_min < n_max:
-                self.lookup_pages(sPages, kv_count % 2, mPageList, page_divisor, item, n_min,
-                                  tidx)
+                self.lookup_pages(sPages, kv_count % 2, paged, item, n_min, tidx)
         for n_block in cutlass.range(n_min, n_max, unroll=1):
-            first_token = n_block * tile_n
+            first_token = n_block * self.tile_n
             buf = (kv_count + n_block - n_min) % 2
             # This tile's lookups (every producer thread's) are in sPages[:, buf].
             cute.arch.barrier(barrier_id=NamedBarrier.PRODUCER,
-                              number_of_threads=self.cfg.num_loaders)
+                              number_of_threads=self.roles.num_loaders)
 
             def row_of(mKV):
                 def gmem_row(m, r):
                     token = layouts.clamp_token(first_token, r, item.kv_end)
                     if const_expr(ragged):
                         return layouts.kv_row_at(mKV, 0, token, item.kv_head)
-                    _, slot = layouts.split_token(token, page_divisor)
+                    slot = paged.slot(token)
                     return layouts.kv_row_at(mKV, sPages[r, buf], slot, item.kv_head)
                 return gmem_row
 
@@ -830,59 +850,28 @@ class PodAttentionSm90(PodKernelBase):
             # barrier: the next tile's lookups may go in now.
             if const_expr(not ragged):
                 if n_block + 1 < n_max:
-                    self.lookup_pages(sPages, 1 - buf, mPageList, page_divisor, item,
-                                      n_block + 1, tidx)
+                    self.lookup_pages(sPages, 1 - buf, paged, item, n_block + 1, tidx)
 
     @cute.jit
-    def lookup_pages(self, sPages: cute.Tensor, buf: Int32, mPageList: cute.Tensor,
-                     page_divisor, item: WorkItem, n_block: Int32, tidx: Int32):
+    def lookup_pages(self, sPages: cute.Tensor, buf: Int32, paged: PagedKV, item: WorkItem,
+                     n_block: Int32, tidx: Int32):
         """Physical page of each row of KV tile n_block into sPages[:, buf], one row per
         producer thread (tokens clamped into the item's range, so no page-table entry
         past its pages is read)."""
-        for r in cutlass.range(tidx, self.tile_n, self.cfg.num_loaders, unroll=1):
-            token = layouts.clamp_token(n_block * self.tile_n, r, item.kv_end)
-            sPages[r, buf], _ = layouts.kv_locate(mPageList, item.page_start, token,
-                                                  page_divisor)
+        for r in cutlass.range(tidx, self.tile_n, self.roles.num_loaders, unroll=1):
+            sPages[r, buf] = paged.page(item, paged.token(item, n_block, r))
 
     # ---- MMA warpgroups ---------------------------------------------------------------
 
     @cute.jit
-    def consume(
-        self,
-        mO: cute.Tensor,
-        mLSE: Optional[cute.Tensor],
-        mSinks: Optional[cute.Tensor],
-        mKScale: Optional[cute.Tensor],
-        mVScale: Optional[cute.Tensor],
-        mWork: cute.Tensor,
-        mQStart: cute.Tensor,
-        mKvLen: cute.Tensor,
-        mPageStart: cute.Tensor,
-        mPartialO: cute.Tensor,
-        mPartialLSE: cute.Tensor,
-        mMerge: cute.Tensor,
-        mSlotMerge: cute.Tensor,
-        mMergeSem: cute.Tensor,
-        sScratch: cute.Tensor,
-        sStage0: cute.Tensor,
-        sStage1: cute.Tensor,
-        mParams: cute.Tensor,
-        mIParams: cute.Tensor,
-        tiled_mma_qk: cute.TiledMma,
-        tiled_mma_pv: cute.TiledMma,
-        sQ: cute.Tensor,
-        sK: cute.Tensor,
-        sV: cute.Tensor,
-        sK8w: Optional[cute.Tensor],
-        sV8w: Optional[cute.Tensor],
-        pipeline_q: pipeline.PipelineAsync,
-        pipeline_k: pipeline.PipelineAsync,
-        pipeline_v: pipeline.PipelineAsync,
-        pipeline_k8: Optional[pipeline.PipelineAsync],
-        pipeline_v8: Optional[pipeline.PipelineAsync],
-        pipeline_combine: pipeline.PipelineAsync,
-        mCtaPtr: cute.Tensor,
-    ):
+    def consume(self, io: PodTensors, plan: PlanTensors, sScratch: cute.Tensor,
+                sStage0: cute.Tensor, sStage1: cute.Tensor, tiled_mma_qk: cute.TiledMma,
+                tiled_mma_pv: cute.TiledMma, smem: SmemTiles, sK8w: Optional[cute.Tensor],
+                sV8w: Optional[cute.Tensor], pipes: Pipelines):
+        """The MMA warpgroups' item loop: each item on wgmma (`item_wgmma`) or, an fp8
+        decode item of few rows, on warp-level MMAs (`decode_item_warp`), then the split
+        merge. `sScratch`: the decode combine's scratch; `sStage0`/`sStage1`: the
+        warpgroups' O staging tiles."""
         tile_n, d = self.tile_n, self.head_dim
         # 0 .. num_mma_threads (the producer warpgroups come first)
         mma_tidx = cute.arch.thread_idx()[0] - self.cfg.num_producer_threads
@@ -893,7 +882,7 @@ class PodAttentionSm90(PodKernelBase):
             tiled_mma_pv.get_slice(tidx).partition_shape_C((WG_ROWS, d)), Float32)
         # Soft-capped raw scores are tanh values whose logits are softcap x them.
         softmax = OnlineSoftmax.create(
-            cute.size(rows_cols_view(acc_O), mode=[0]), mParams[self.logit_param] * LOG2_E
+            cute.size(rows_cols_view(acc_O), mode=[0]), plan.mParams[self.logit_param] * LOG2_E
         )
         # O's rescale factor of the latest tile, applied while the next S GEMM runs.
         row_scale = cute.make_rmem_tensor_like(softmax.row_max, Float32)
@@ -917,52 +906,41 @@ class PodAttentionSm90(PodKernelBase):
 
         # This CTA's items [mCtaPtr[cta], mCtaPtr[cta + 1]); the end is re-read (an L1 hit)
         # rather than held: the MMA warpgroups have no register to spare for it.
-        i = cute.arch.make_warp_uniform(mCtaPtr[cute.arch.block_idx()[0]])
-        while i < mCtaPtr[cute.arch.block_idx()[0] + 1]:
-            item = WorkItem.load(mWork, mQStart, mKvLen, mPageStart, i)
+        i = cute.arch.make_warp_uniform(plan.mCtaPtr[cute.arch.block_idx()[0]])
+        while i < plan.mCtaPtr[cute.arch.block_idx()[0] + 1]:
+            item = WorkItem.load(plan, i)
             decode = Int32(item.is_decode)
             # Rows of this warpgroup: its own 64 (prefill) or all of the item's (decode).
             row_offset = wg * WG_ROWS * (1 - decode)
-            n_min, n_max, mask_from = self.item_tiles(item, wg, mIParams)
+            n_min, n_max, mask_from = self.item_tiles(item, wg, plan.mIParams)
             # Window: tiles below mask_until hold keys left of some row's window.
             mask_until = Int32(0)
             if const_expr(self.cfg.window):
                 mask_until = left_mask_until(
                     item.kv_len, item.q_len,
                     cutlass.min(item.row_end, item.row_start + row_offset + WG_ROWS),
-                    self.group, mIParams[IParam.WINDOW_LEFT], tile_n)
+                    self.group, plan.mIParams[IParam.WINDOW_LEFT], tile_n)
             # The item's Q (both paths read it first).
-            pipeline_q.consumer_wait(stage(i - mCtaPtr[cute.arch.block_idx()[0]], 1))
+            pipes.q.consumer_wait(stage(i - plan.mCtaPtr[cute.arch.block_idx()[0]], 1))
             item_wgmma = partial(
-                self.item_wgmma, i, kv_count, n_min, n_max, mask_from, mask_until, softmax,
-                row_scale, acc_O, rP, tOrP, sQ, sK, acc_shape_S, tiled_mma_qk, tiled_mma_pv, sV,
-                sScratch, sStage, pipeline_q,
-                pipeline_k, pipeline_v, pipeline_combine, mWork, mQStart, mKvLen, mPageStart,
-                mParams, mIParams, mKScale, mVScale, mSinks, mO, mLSE, mPartialO, mPartialLSE,
-                mCtaPtr, mma_tidx, tidx, wg)
+                self.item_wgmma, io, plan, i, kv_count, n_min, n_max, mask_from, mask_until,
+                softmax, row_scale, acc_O, rP, tOrP, smem, acc_shape_S, tiled_mma_qk,
+                tiled_mma_pv, sScratch, sStage, pipes, mma_tidx, tidx, wg)
             if const_expr(self.cfg.warp_decode):
                 if self.warp_decodes(item) != 0:
                     self.decode_item_warp(
-                        i, kv_count, n_min, n_max, mask_from, mask_until, softmax, row_scale,
-                        acc_O, sQ, sK8w, sV8w, sScratch, pipeline_q, pipeline_k, pipeline_v,
-                        pipeline_k8, pipeline_v8, pipeline_combine, mWork, mQStart, mKvLen,
-                        mPageStart, mParams, mIParams, mKScale, mVScale, mSinks, mO, mLSE,
-                        mPartialO, mPartialLSE, mCtaPtr, tidx, wg)
+                        io, plan, i, kv_count, n_min, n_max, mask_from, mask_until, softmax,
+                        row_scale, acc_O, smem.sQ, sK8w, sV8w, sScratch, pipes, tidx, wg)
                 else:
                     item_wgmma()
             else:
                 item_wgmma()
             # The item again (L1 hits), and its tile count recomputed: held through the
             # item's work, n_min and n_max would cost the MMA warps two registers.
-            item = WorkItem.load(mWork, mQStart, mKvLen, mPageStart, i)
-            n_min, n_max, _ = self.item_tiles(item, wg, mIParams)
+            item = WorkItem.load(plan, i)
+            n_min, n_max, _ = self.item_tiles(item, wg, plan.mIParams)
             kv_count += n_max - n_min
-            if item.split_slot >= 0:
-                finish_split(
-                    mO, mLSE, mPartialO, mPartialLSE, mMerge, mSlotMerge, mMergeSem, mQStart,
-                    item.split_slot, self.group, d, mma_tidx, self.num_mma_threads,
-                    barrier_id=NamedBarrier.MMA, mSinks=mSinks,
-                )
+            self.merge_split(io, plan, item, mma_tidx, self.num_mma_threads)
             i += 1
 
     @cute.jit
@@ -974,15 +952,13 @@ class PodAttentionSm90(PodKernelBase):
                                 self.tile_n, self.window_right(mIParams))
 
     @cute.jit
-    def item_wgmma(self, i: Int32, kv_count: Int32, n_min: Int32, n_max: Int32,
-                   mask_from: Int32, mask_until: Int32, softmax: OnlineSoftmax,
-                   row_scale: cute.Tensor, acc_O: cute.Tensor, rP: cute.Tensor,
-                   tOrP: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor, acc_shape_S,
-                   tiled_mma_qk, tiled_mma_pv,
-                   sV: cute.Tensor, sScratch: cute.Tensor, sStage: Optional[cute.Tensor],
-                   pipeline_q, pipeline_k, pipeline_v, pipeline_combine, mWork, mQStart,
-                   mKvLen, mPageStart, mParams, mIParams, mKScale, mVScale, mSinks, mO, mLSE,
-                   mPartialO, mPartialLSE, mCtaPtr, mma_tidx: Int32, tidx: Int32, wg: Int32):
+    def item_wgmma(self, io: PodTensors, plan: PlanTensors, i: Int32, kv_count: Int32,
+                   n_min: Int32, n_max: Int32, mask_from: Int32, mask_until: Int32,
+                   softmax: OnlineSoftmax, row_scale: cute.Tensor, acc_O: cute.Tensor,
+                   rP: cute.Tensor, tOrP: cute.Tensor, smem: SmemTiles, acc_shape_S,
+                   tiled_mma_qk, tiled_mma_pv, sScratch: cute.Tensor,
+                   sStage: Optional[cute.Tensor], pipes: Pipelines, mma_tidx: Int32,
+                   tidx: Int32, wg: Int32):
         """Item i on wgmma (every prefill item; decode items of 16-bit caches, and of fp8
         caches off the warp-level path): this warpgroup's mainloop, the decode combine, O
         normalised and written (the split merge follows in consume)."""
@@ -1006,23 +982,23 @@ class PodAttentionSm90(PodKernelBase):
         # The GEMMs' shared-memory operands (descriptors made here, per item, rather than
         # held through the item loop, which the warp-level decode path shares).
         # This warpgroup's 64 rows of Q (a decode item's rows sit in both halves).
-        sQ_wg = cute.local_tile(sQ, (WG_ROWS, d), (wg, 0))
+        sQ_wg = cute.local_tile(smem.sQ, (WG_ROWS, d), (wg, 0))
         # V^T view (D, tile_n) of the row-major V tile: the MN-major B operand of P @ V.
         sVt = cute.composition(
-            sV, cute.make_ordered_layout((d, tile_n, self.num_stages), order=(1, 0, 2))
+            smem.sV, cute.make_ordered_layout((d, tile_n, self.num_stages), order=(1, 0, 2))
         )
         if const_expr(self.cfg.q_in_registers):
             tSrQ = cute.make_rmem_tensor(thr_mma_qk.partition_shape_A((WG_ROWS, d)),
                                          self.mma_dtype)
         else:
             tSrQ = thr_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sQ_wg))
-        tSrK = thr_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sK))
+        tSrK = thr_mma_qk.make_fragment_B(thr_mma_qk.partition_B(smem.sK))
         tOrVt = thr_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sVt))
-        item = WorkItem.load(mWork, mQStart, mKvLen, mPageStart, i)
+        item = WorkItem.load(plan, i)
         decode = Int32(item.is_decode)
         row_offset = wg * WG_ROWS * (1 - decode)
         softmax.reset()
-        q_state = stage(i - mCtaPtr[cute.arch.block_idx()[0]], 1)  # (consume waited)
+        q_state = stage(i - plan.mCtaPtr[cute.arch.block_idx()[0]], 1)  # (consume waited)
         q_up = Float32(1.0)
         if const_expr(self.cfg.q_in_registers):
             # Q into registers once (as the MMAs' fp16: q_up = 2^e, the scores' factor);
@@ -1032,11 +1008,11 @@ class PodAttentionSm90(PodKernelBase):
                                     self.dtype), tiled_mma_qk).get_slice(tidx)
             rQ = cute.make_rmem_tensor_like(tSrQ, self.dtype)
             cute.copy(copy_q, copy_q.partition_S(sQ_wg), copy_q.retile(rQ))
-            pipeline_q.consumer_release(q_state)
+            pipes.q.consumer_release(q_state)
             q_up = q_fragment_to_fp16(rQ, tSrQ)
         item_softmax, tanh_scale = softmax, None
         if const_expr(self.fp8):
-            item_softmax, tanh_scale = self.raw_score_scales(softmax, mParams, mKScale,
+            item_softmax, tanh_scale = self.raw_score_scales(softmax, plan.mParams, io.mKScale,
                                                              item.kv_head, q_up)
         acc_O.fill(0.0)
         if const_expr(not self.cfg.q_in_registers):
@@ -1044,49 +1020,46 @@ class PodAttentionSm90(PodKernelBase):
             cute.arch.fence_view_async_shared()
         # The mask re-reads the item (L1 hits) on the few tiles it touches rather than
         # hold its bounds in registers through the mainloop.
-        mask_tile = partial(self.mask_tile, tScS=tScS, mWork=mWork, mQStart=mQStart,
-                            mKvLen=mKvLen, mPageStart=mPageStart, mIParams=mIParams, i=i,
-                            wg=wg)
+        mask_tile = partial(self.mask_tile, tScS=tScS, plan=plan, i=i, wg=wg)
         score_tile = partial(self.score_tile, mask_tile=mask_tile, mask_from=mask_from,
-                             mask_until=mask_until, mParams=mParams, mKScale=mKScale,
+                             mask_until=mask_until, mParams=plan.mParams, mKScale=io.mKScale,
                              kv_head=item.kv_head, tanh_scale=tanh_scale)
+        gemms = WarpgroupGemms(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_shape_S, rP,
+                               tOrP)
         if decode != 0:
-            self.mainloop_decode(
-                tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_shape_S, acc_O, rP, tOrP,
-                item_softmax, row_scale, score_tile, sV, pipeline_q, q_state, pipeline_k,
-                pipeline_v, kv_count, n_min, n_max, item.kv_end, mma_tidx, wg)
+            self.mainloop_decode(gemms, acc_O, item_softmax, row_scale, score_tile, smem.sV,
+                                  pipes, q_state, kv_count, n_min, n_max, item.kv_end,
+                                  mma_tidx, wg)
         else:
-            self.mainloop_prefill(
-                tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_shape_S, acc_O, rP, tOrP,
-                item_softmax, row_scale, score_tile, sV, pipeline_q, q_state, pipeline_k,
-                pipeline_v, kv_count, n_min, n_max, item.kv_end, mma_tidx, wg)
+            self.mainloop_prefill(gemms, acc_O, item_softmax, row_scale, score_tile, smem.sV,
+                                  pipes, q_state, kv_count, n_min, n_max, item.kv_end,
+                                  mma_tidx, wg)
         # Reload the item for the epilogue (an L1 hit) rather than keep every field
         # live through the mainloop: registers are what the MMA warpgroups lack.
-        item = WorkItem.load(mWork, mQStart, mKvLen, mPageStart, i)
+        item = WorkItem.load(plan, i)
         decode = Int32(item.is_decode)
         row_offset = wg * WG_ROWS * (1 - decode)
         if decode != 0:
             # Fold warpgroup 1's softmax state and O into warpgroup 0's.
-            self.combine_decode(item_softmax, acc_O, sScratch, pipeline_combine,
+            self.combine_decode(item_softmax, acc_O, sScratch, pipes.combine,
                                 item.decode_index, tidx, wg)
         inv_sum, lse = softmax.finalize(
-            self.lse_logit_scale(mParams, mKScale, item.kv_head, softmax, item_softmax),
-            self.row_sinks(mSinks, tOcO, item, row_offset))
+            self.lse_logit_scale(plan.mParams, io.mKScale, item.kv_head, softmax, item_softmax),
+            self.row_sinks(io.mSinks, tOcO, item, row_offset))
         if const_expr(self.fp8):
             # v_scale multiplies every value: O's normaliser takes it (not the LSE).
-            v_scale = self.kv_scale(mVScale, item.kv_head)
+            v_scale = self.kv_scale(io.mVScale, item.kv_head)
             for r in cutlass.range_constexpr(cute.size(inv_sum)):
                 inv_sum[r] = inv_sum[r] * v_scale
         rescale_rows(acc_O, inv_sum)
         if decode * wg == 0:  # prefill: each warpgroup its rows; decode: warpgroup 0
-            self.epilogue(acc_O, lse, thr_mma_pv, tOcO, sStage, item, row_offset, mO,
-                          mLSE, mPartialO, mPartialLSE, tidx)
+            self.epilogue(acc_O, lse, thr_mma_pv, tOcO, sStage, item, row_offset, io, plan,
+                          tidx)
 
     @cute.jit
-    def mainloop_prefill(self, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_shape_S,
-                         acc_O, rP, tOrP, softmax: OnlineSoftmax, row_scale: cute.Tensor,
-                         score_tile, sV, pipeline_q, q_state, pipeline_k, pipeline_v,
-                         kv_count: Int32, n_min: Int32, n_max: Int32,
+    def mainloop_prefill(self, gemms: WarpgroupGemms, acc_O: cute.Tensor,
+                         softmax: OnlineSoftmax, row_scale: cute.Tensor, score_tile, sV,
+                         pipes: Pipelines, q_state, kv_count: Int32, n_min: Int32, n_max: Int32,
                          kv_end: Int32, mma_tidx: Int32, wg: Int32):
         """Every KV tile for this warpgroup's 64 rows (both MMA warpgroups read every
         stage), FlashAttention-3's order: on its turn a warpgroup issues S = Q K^T of tile
@@ -1099,43 +1072,42 @@ class PodAttentionSm90(PodKernelBase):
         if n_min < n_max:
             # First tile: S only (O is still zero).
             k_state = stage(kv_count, stages)
-            pipeline_k.consumer_wait(k_state)
+            pipes.k.consumer_wait(k_state)
             self.fence_gathered_kv()
-            acc_S = self.qk_gemm(tiled_mma_qk, tSrQ, tSrK, acc_shape_S, k_state)
+            acc_S = gemms.qk(k_state)
             warpgroup.wait_group(0)
-            pipeline_k.consumer_release(k_state)
+            pipes.k.consumer_release(k_state)
             score_tile(acc_S, n_block=n_min)
             softmax.update(acc_S, row_scale)
-            rP.store(acc_S.load().to(self.mma_dtype))
+            gemms.rP.store(acc_S.load().to(self.mma_dtype))
             for n_block in cutlass.range(n_min + 1, n_max, unroll=1):
                 k_state = stage(kv_count + n_block - n_min, stages)
                 v_state = stage(kv_count + n_block - n_min - 1, stages)
-                pipeline_k.consumer_wait(k_state)
+                pipes.k.consumer_wait(k_state)
                 self.fence_gathered_kv()
                 cute.arch.barrier(barrier_id=schedule_barrier,
                                   number_of_threads=self.num_mma_threads)
-                acc_S = self.qk_gemm(tiled_mma_qk, tSrQ, tSrK, acc_shape_S, k_state)
+                acc_S = gemms.qk(k_state)
                 rescale_rows(acc_O, row_scale)  # no wgmma holds O now
-                pipeline_v.consumer_wait(v_state)
-                warpgroup_gemm(tiled_mma_pv, acc_O, tOrP,
-                               tOrVt[None, None, None, v_state.index], False)
+                pipes.v.consumer_wait(v_state)
+                gemms.pv(acc_O, v_state)
                 cute.arch.barrier_arrive(barrier_id=other_barrier,
                                          number_of_threads=self.num_mma_threads)
                 warpgroup.wait_group(1)  # S done; P V still running
-                pipeline_k.consumer_release(k_state)
+                pipes.k.consumer_release(k_state)
                 score_tile(acc_S, n_block=n_block)
                 softmax.update(acc_S, row_scale)
                 warpgroup.wait_group(0)  # P V done: rP is free
-                pipeline_v.consumer_release(v_state)
-                rP.store(acc_S.load().to(self.mma_dtype))
+                pipes.v.consumer_release(v_state)
+                gemms.rP.store(acc_S.load().to(self.mma_dtype))
         if const_expr(not self.cfg.q_in_registers):
             # Every S GEMM of this warpgroup has completed: the producer may refill sQ.
-            pipeline_q.consumer_release(q_state)
+            pipes.q.consumer_release(q_state)
         if n_min < n_max:
             # Last tile's P V.
             rescale_rows(acc_O, row_scale)
             v_state = stage(kv_count + n_max - 1 - n_min, stages)
-            pipeline_v.consumer_wait(v_state)
+            pipes.v.consumer_wait(v_state)
             if const_expr(self.tma_kv and not self.fp8):
                 # TMA boxes bring whole page pieces: slots past kv_len may hold garbage
                 # (NaN), and P = 0 times NaN is NaN, so zero those V rows (the fp8
@@ -1144,16 +1116,14 @@ class PodAttentionSm90(PodKernelBase):
                     self.zero_v_tail(sV[None, None, v_state.index],
                                      kv_end - (n_max - 1) * tile_n, mma_tidx, wg, Int32(0))
             self.fence_gathered_kv()
-            warpgroup_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index],
-                           False)
+            gemms.pv(acc_O, v_state)
             warpgroup.wait_group(0)
-            pipeline_v.consumer_release(v_state)
+            pipes.v.consumer_release(v_state)
 
     @cute.jit
-    def mainloop_decode(self, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_shape_S,
-                        acc_O, rP, tOrP, softmax: OnlineSoftmax, row_scale: cute.Tensor,
-                        score_tile, sV, pipeline_q, q_state, pipeline_k, pipeline_v,
-                        kv_count: Int32, n_min: Int32, n_max: Int32,
+    def mainloop_decode(self, gemms: WarpgroupGemms, acc_O: cute.Tensor,
+                        softmax: OnlineSoftmax, row_scale: cute.Tensor, score_tile, sV,
+                        pipes: Pipelines, q_state, kv_count: Int32, n_min: Int32, n_max: Int32,
                         kv_end: Int32, mma_tidx: Int32, wg: Int32):
         """Every other KV tile (from n_min + wg) for all the item's rows; the other MMA
         warpgroup takes the rest, and the owner releases a stage for both. No overlap
@@ -1165,27 +1135,26 @@ class PodAttentionSm90(PodKernelBase):
             # stage index and the wgmma descriptors in vector registers)
             kv_state = stage(cute.arch.make_warp_uniform(kv_count + n_block - n_min),
                              self.num_stages)
-            pipeline_k.consumer_wait(kv_state)
+            pipes.k.consumer_wait(kv_state)
             self.fence_gathered_kv()
-            acc_S = self.qk_gemm(tiled_mma_qk, tSrQ, tSrK, acc_shape_S, kv_state)
+            acc_S = gemms.qk(kv_state)
             warpgroup.wait_group(0)
-            self.release(pipeline_k, kv_state, 2)
+            self.release(pipes.k, kv_state, 2)
             score_tile(acc_S, n_block=n_block)
             softmax.update(acc_S, row_scale)
-            rP.store(acc_S.load().to(self.mma_dtype))  # S dies here, before O is rescaled
+            gemms.rP.store(acc_S.load().to(self.mma_dtype))  # S dies here, before O is rescaled
             rescale_rows(acc_O, row_scale)
-            pipeline_v.consumer_wait(kv_state)
+            pipes.v.consumer_wait(kv_state)
             if const_expr(self.tma_kv and not self.fp8):
                 if (n_block + 1) * tile_n > kv_end:  # the page tail: see mainloop_prefill
                     self.zero_v_tail(sV[None, None, kv_state.index], kv_end - n_block * tile_n,
                                      mma_tidx, wg, Int32(1))
             self.fence_gathered_kv()
-            warpgroup_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index],
-                           False)
+            gemms.pv(acc_O, kv_state)
             warpgroup.wait_group(0)
-            self.release(pipeline_v, kv_state, 2)
+            self.release(pipes.v, kv_state, 2)
         if const_expr(not self.cfg.q_in_registers):
-            pipeline_q.consumer_release(q_state)
+            pipes.q.consumer_release(q_state)
 
     @cute.jit
     def score_tile(self, acc_S: cute.Tensor, n_block: Int32, mask_tile, mask_from: Int32,
@@ -1207,15 +1176,14 @@ class PodAttentionSm90(PodKernelBase):
             mask_tile(acc_S, col_start=n_block * self.tile_n + col_offset)
 
     @cute.jit
-    def mask_tile(self, acc_S: cute.Tensor, tScS: cute.Tensor, mWork: cute.Tensor,
-                  mQStart: cute.Tensor, mKvLen: cute.Tensor, mPageStart: cute.Tensor,
-                  mIParams: cute.Tensor, i: Int32, wg: Int32, col_start: Int32):
+    def mask_tile(self, acc_S: cute.Tensor, tScS: cute.Tensor, plan: PlanTensors, i: Int32,
+                  wg: Int32, col_start: Int32):
         """Mask S of the KV tile at `col_start` for this warpgroup's rows of item `i`."""
         # (i marked warp-uniform: the loads' addresses then sit in uniform registers, which
         # the warp-level decode path's masked tiles need: at 192 registers it spilled 8 bytes)
-        item = WorkItem.load(mWork, mQStart, mKvLen, mPageStart, cute.arch.make_warp_uniform(i))
+        item = WorkItem.load(plan, cute.arch.make_warp_uniform(i))
         row_offset = wg * WG_ROWS * (1 - Int32(item.is_decode))
-        self.mask_scores(acc_S, tScS, item, row_offset, col_start, mIParams)
+        self.mask_scores(acc_S, tScS, item, row_offset, col_start, plan.mIParams)
 
     @cute.jit
     def raw_score_scales(self, softmax: OnlineSoftmax, mParams: cute.Tensor,
@@ -1273,13 +1241,6 @@ class PodAttentionSm90(PodKernelBase):
         pipe.consumer_release(state)
         if count > 1:
             pipe.consumer_release(state)
-
-    @cute.jit
-    def qk_gemm(self, tiled_mma_qk, tSrQ, tSrK, acc_shape_S, k_state):
-        """Issue S = Q K^T on K stage `k_state` (asynchronous; the caller waits)."""
-        acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
-        warpgroup_gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, k_state.index], True)
-        return acc_S
 
     @cute.jit
     def zero_v_tail(self, sX: cute.Tensor, first_row: Int32, mma_tidx: Int32, wg: Int32,
@@ -1359,14 +1320,11 @@ class PodAttentionSm90(PodKernelBase):
         return Int32(item.is_decode) * fits
 
     @cute.jit
-    def decode_item_warp(self, i: Int32, kv_count: Int32, n_min: Int32, n_max: Int32,
-                         mask_from: Int32, mask_until: Int32, softmax: OnlineSoftmax,
-                         row_scale: cute.Tensor, acc_O: cute.Tensor, sQ: cute.Tensor,
-                         sK8w: cute.Tensor, sV8w: cute.Tensor, sScratch: cute.Tensor,
-                         pipeline_q, pipeline_k, pipeline_v, pipeline_k8, pipeline_v8,
-                         pipeline_combine, mWork, mQStart, mKvLen, mPageStart, mParams,
-                         mIParams, mKScale, mVScale, mSinks, mO, mLSE, mPartialO, mPartialLSE,
-                         mCtaPtr, tidx: Int32, wg: Int32):
+    def decode_item_warp(self, io: PodTensors, plan: PlanTensors, i: Int32, kv_count: Int32,
+                         n_min: Int32, n_max: Int32, mask_from: Int32, mask_until: Int32,
+                         softmax: OnlineSoftmax, row_scale: cute.Tensor, acc_O: cute.Tensor,
+                         sQ: cute.Tensor, sK8w: cute.Tensor, sV8w: cute.Tensor,
+                         sScratch: cute.Tensor, pipes: Pipelines, tidx: Int32, wg: Int32):
         """Decode item i on warp-level MMAs: each warpgroup takes every other KV tile (from
         n_min + wg, as on wgmma), each of its warps 16 of the tile's rows with every one
         of the item's rows, reading the fp8 stages itself (the converters' empty 16-bit
@@ -1390,68 +1348,66 @@ class PodAttentionSm90(PodKernelBase):
         rP = cute.make_rmem_tensor(acc_shape_S, cutlass.Float16)
         tOrP = cute.make_tensor(rP.iterator, acc_as_operand_a_layout(rP.layout))
 
-        item = WorkItem.load(mWork, mQStart, mKvLen, mPageStart, i)
-        q_state = stage(i - mCtaPtr[cute.arch.block_idx()[0]], 1)  # (consume waited)
+        item = WorkItem.load(plan, i)
+        q_state = stage(i - plan.mCtaPtr[cute.arch.block_idx()[0]], 1)  # (consume waited)
         tSrQ, q_up = dec.load_q(sQ, lane)
-        pipeline_q.consumer_release(q_state)  # Q is in registers: the next item's may load
+        pipes.q.consumer_release(q_state)  # Q is in registers: the next item's may load
         softmax.reset()
         acc_O.fill(0.0)
-        item_softmax, tanh_scale = self.raw_score_scales(softmax, mParams, mKScale,
+        item_softmax, tanh_scale = self.raw_score_scales(softmax, plan.mParams, io.mKScale,
                                                          item.kv_head, q_up)
-        mask_tile = partial(self.mask_tile, tScS=tScS, mWork=mWork, mQStart=mQStart,
-                            mKvLen=mKvLen, mPageStart=mPageStart, mIParams=mIParams, i=i,
-                            wg=wg)
+        mask_tile = partial(self.mask_tile, tScS=tScS, plan=plan, i=i, wg=wg)
         for n_block in cutlass.range(n_min + wg, n_max, 2, unroll=1):
             # (re-derived each tile rather than held: the MMA warps run at their limit)
             row0 = cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4 * WARP_KV_ROWS
             count = kv_count + n_block - n_min
             kv_state = stage(count, self.num_stages)
             s8 = stage(count, self.cfg.fp8_stages)
-            pipeline_k.consumer_wait(kv_state)  # the converters' go-ahead (no data)
-            pipeline_k8.consumer_wait(s8)  # (complete already: orders the TMA's writes)
+            pipes.k.consumer_wait(kv_state)  # the converters' go-ahead (no data)
+            pipes.k8.consumer_wait(s8)  # (complete already: orders the TMA's writes)
             acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
             dec.scores(tiled_mma, acc_S, tSrQ, sK8w[None, None, s8.index].iterator.toint(),
                        row0, lane)
-            pipeline_k8.consumer_release(s8)
-            self.release(pipeline_k, kv_state, 2)
-            self.score_tile(acc_S, n_block, mask_tile, mask_from, mask_until, mParams,
-                            mKScale, item.kv_head, row0, tanh_scale)
+            pipes.k8.consumer_release(s8)
+            self.release(pipes.k, kv_state, 2)
+            self.score_tile(acc_S, n_block, mask_tile, mask_from, mask_until, plan.mParams,
+                            io.mKScale, item.kv_head, row0, tanh_scale)
             item_softmax.update(acc_S, row_scale)
             rP.store(acc_S.load().to(cutlass.Float16))
             rescale_rows(acc_O_w, row_scale)
-            pipeline_v.consumer_wait(kv_state)
-            pipeline_v8.consumer_wait(s8)
+            pipes.v.consumer_wait(kv_state)
+            pipes.v8.consumer_wait(s8)
             dec.accumulate(tiled_mma, acc_O_w, tOrP, sV8w[None, None, s8.index].iterator.toint(),
-                           row0, mWork[i, WorkCol.KV_END] - n_block * tile_n, lane)
-            pipeline_v8.consumer_release(s8)
-            self.release(pipeline_v, kv_state, 2)
+                           row0, plan.mWork[i, WorkCol.KV_END] - n_block * tile_n, lane)
+            pipes.v8.consumer_release(s8)
+            self.release(pipes.v, kv_state, 2)
 
-        item = WorkItem.load(mWork, mQStart, mKvLen, mPageStart, i)
-        self.combine_decode(item_softmax, acc_O, sScratch, pipeline_combine, item.decode_index,
+        item = WorkItem.load(plan, i)
+        self.combine_decode(item_softmax, acc_O, sScratch, pipes.combine, item.decode_index,
                             tidx, wg)
         if wg == 0:
             self.fold_warps(item_softmax, acc_O, sScratch, tidx)
             if tidx < 32:
                 inv_sum, lse = softmax.finalize(
-                    self.lse_logit_scale(mParams, mKScale, item.kv_head, softmax,
+                    self.lse_logit_scale(plan.mParams, io.mKScale, item.kv_head, softmax,
                                          item_softmax),
-                    self.row_sinks(mSinks, tOcO, item, Int32(0)))
-                v_scale = self.kv_scale(mVScale, item.kv_head)
+                    self.row_sinks(io.mSinks, tOcO, item, Int32(0)))
+                v_scale = self.kv_scale(io.mVScale, item.kv_head)
                 for r in cutlass.range_constexpr(cute.size(inv_sum)):
                     inv_sum[r] = inv_sum[r] * v_scale
                 rescale_rows(acc_O, inv_sum)
                 n_rows = item.row_end - item.row_start
                 if item.split_slot >= 0:
-                    dec.store_o(acc_O_w, layouts.partial_rows(mPartialO, item.split_slot),
+                    dec.store_o(acc_O_w, layouts.partial_rows(plan.mPartialO, item.split_slot),
                                 Int32(0), n_rows, lane)
-                    store_lse(lse, tOcO, layouts.partial_lse(mPartialLSE, item.split_slot),
+                    store_lse(lse, tOcO, layouts.partial_lse(plan.mPartialLSE, item.split_slot),
                               Int32(0), n_rows, lane)
                 else:
-                    dec.store_o(acc_O_w, layouts.packed_rows(mO, item.q_start, item.q_len,
+                    dec.store_o(acc_O_w, layouts.packed_rows(io.mO, item.q_start, item.q_len,
                                                              item.kv_head, self.group),
                                 item.row_start, n_rows, lane)
-                    if const_expr(mLSE is not None):
-                        store_lse(lse, tOcO, layouts.packed_lse(mLSE, item.q_start, item.q_len,
+                    if const_expr(io.mLSE is not None):
+                        store_lse(lse, tOcO, layouts.packed_lse(io.mLSE, item.q_start, item.q_len,
                                                                 item.kv_head, self.group),
                                   item.row_start, n_rows, lane)
 
@@ -1465,26 +1421,24 @@ class PodAttentionSm90(PodKernelBase):
         sStage: cute.Tensor,
         item: WorkItem,
         row_offset: Int32,
-        mO: cute.Tensor,
-        mLSE: Optional[cute.Tensor],
-        mPartialO: cute.Tensor,
-        mPartialLSE: cute.Tensor,
+        io: PodTensors,
+        plan: PlanTensors,
         tidx: Int32,
     ):
         """Write this warpgroup's rows of O and LSE: tile row `r` is packed row
         `row_start + row_offset + r` of the item (`epilogue.py`)."""
         n_rows = item.row_end - item.row_start
         if item.split_slot >= 0:
-            store_partial(acc_O, lse, tOcO, mPartialO, mPartialLSE, item.split_slot,
+            store_partial(acc_O, lse, tOcO, plan.mPartialO, plan.mPartialLSE, item.split_slot,
                           row_offset, n_rows, tidx)
         else:
             row_base = item.row_start + row_offset
             n_valid = n_rows - row_offset
-            if const_expr(mLSE is not None):
-                gLSE = layouts.packed_lse(mLSE, item.q_start, item.q_len, item.kv_head,
+            if const_expr(io.mLSE is not None):
+                gLSE = layouts.packed_lse(io.mLSE, item.q_start, item.q_len, item.kv_head,
                                           self.group)
                 store_lse(lse, tOcO, gLSE, row_base, n_valid, tidx)
-            gO = layouts.packed_rows(mO, item.q_start, item.q_len, item.kv_head, self.group)
+            gO = layouts.packed_rows(io.mO, item.q_start, item.q_len, item.kv_head, self.group)
             # (the warpgroup index again from the warp: a register held since the kernel's
             # start would be spilled)
             wg_u = (cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4

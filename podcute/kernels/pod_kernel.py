@@ -1,23 +1,114 @@
-"""What both POD kernels (`pod_fwd_sm90.py`, `pod_fwd_sm80.py`) read the same way from a
-variant's flags and the plan's parameter words: which KV tiles need a mask and the mask
-itself with the window's edges, the parameter that turns a raw score into its logit, and
-the sink logit of each row."""
+"""The base both POD kernels (`pod_fwd_sm90.py`, `pod_fwd_sm80.py`) stand on: the compiled
+entry point and its two argument bundles (`args.py`), the unpacking of a variant's
+configuration, and what both read the same way from a variant's flags and the plan's
+parameter words: which KV tiles need a mask and the mask itself with the window's edges,
+the parameter that turns a raw score into its logit, the sink logit of each row, and the
+split-KV merge after an item's partials."""
 
 from typing import Optional
+
+import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from podcute import layouts
+from podcute.kernels.args import PlanTensors, PodTensors
+from podcute.kernels.barriers import NamedBarrier
+from podcute.kernels.config import KernelConfig
+from podcute.kernels.dtypes import DTYPES
 from podcute.kernels.mask import apply_mask
 from podcute.kernels.metadata import IParam, Param
 from podcute.kernels.mma_utils import rows_cols_view
+from podcute.kernels.split_merge import finish_split
 from podcute.kernels.work import WorkItem
 
 
 class PodKernelBase:
-    """Mixed into each kernel class, which sets `cfg` (its KernelConfig) and `group`."""
+    """A POD kernel family: a subclass says which configurations it builds
+    (`can_implement`) and launches its `kernel` (`launch_kernel`); the entry point, the
+    configuration's common facts and the shared device pieces are here."""
+
+    def __init__(self, cfg: KernelConfig):
+        ok, why = cfg.can_implement()  # (the common checks, then this family's)
+        if ok and cfg.kernel_class() is not type(self):
+            ok, why = False, f"{cfg.arch} is served by {cfg.kernel_class().__name__}"
+        if not ok:
+            raise ValueError(f"{type(self).__name__}: {why}")
+        self.cfg = cfg
+        self.dtype = DTYPES[cfg.dtype]
+        self.head_dim = cfg.head_dim
+        self.group = cfg.group
+        self.causal = cfg.causal
+        self.tile_m = cfg.tile_m_prefill  # rows of sQ: the largest item's
+        self.tile_n = cfg.tile_n
+        self.num_stages = cfg.num_stages
+
+    @classmethod
+    def can_implement(cls, cfg: KernelConfig) -> tuple[bool, str]:
+        """(True, "") if this kernel family builds `cfg`, else (False, why): what the
+        family needs beyond KernelConfig.can_implement's common checks (which call it)."""
+        raise NotImplementedError
+
+    @classmethod
+    def smem_bytes(cls, cfg: KernelConfig) -> int:
+        """Shared memory one CTA of `cfg` takes (the family's SharedStorage)."""
+        raise NotImplementedError
+
+    @cute.jit
+    def __call__(
+        self,
+        # PodTensors, flattened (args.py says what each is)
+        mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+        mLSE: Optional[cute.Tensor], mSinks: Optional[cute.Tensor],
+        mKScale: Optional[cute.Tensor], mVScale: Optional[cute.Tensor],
+        mKRagged: Optional[cute.Tensor], mVRagged: Optional[cute.Tensor],
+        # PlanTensors, flattened
+        mWork: cute.Tensor, mCtaPtr: cute.Tensor, mQStart: cute.Tensor, mKvLen: cute.Tensor,
+        mPageStart: cute.Tensor, mPageList: cute.Tensor, mPartialO: cute.Tensor,
+        mPartialLSE: cute.Tensor, mMerge: cute.Tensor, mSlotMerge: cute.Tensor,
+        mMergeSem: cute.Tensor, mParams: cute.Tensor, mIParams: cute.Tensor, page_shift: Int32,
+        num_ctas: Int32,
+        stream: cuda.CUstream,
+    ):
+        """The compiled function: `(*PodTensors, *PlanTensors, num_ctas, stream)`, flat,
+        as TVM-FFI passes torch tensors; bundled here once for everything below."""
+        self.launch_kernel(
+            PodTensors(mQ, mK, mV, mO, mLSE, mSinks, mKScale, mVScale, mKRagged, mVRagged),
+            PlanTensors(mWork, mCtaPtr, mQStart, mKvLen, mPageStart, mPageList, mPartialO,
+                        mPartialLSE, mMerge, mSlotMerge, mMergeSem, mParams, mIParams,
+                        page_shift),
+            num_ctas, stream)
+
+    def launch_kernel(self, io: PodTensors, plan: PlanTensors, num_ctas: Int32,
+                      stream: cuda.CUstream):
+        """Build the shared storage and launch `kernel` on `num_ctas` CTAs (traced inside
+        `__call__`)."""
+        raise NotImplementedError
+
+    def launch_options(self, num_ctas: Int32, stream: cuda.CUstream) -> dict:
+        """The `.launch()` arguments of a persistent grid of `num_ctas` CTAs."""
+        return dict(
+            grid=[num_ctas, 1, 1],
+            block=[self.cfg.num_threads, 1, 1],
+            stream=stream,
+            # The register cap setmaxnreg needs (ptxas drops it without one), and the
+            # CTAs an SM holds.
+            min_blocks_per_mp=self.cfg.ctas_per_sm,
+            # Saying so keeps compilation free of device queries (cross-compiles without
+            # a GPU); the CTAs want the SM's shared memory, not L1.
+            preferred_smem_carveout=100,
+        )
+
+    @cute.jit
+    def merge_split(self, io: PodTensors, plan: PlanTensors, item: WorkItem, tidx: Int32,
+                    num_threads: cutlass.Constexpr[int]):
+        """After a split piece's partials are written: the group's last piece merges them
+        into out (split_merge.finish_split), on the `num_threads` computing threads."""
+        if item.split_slot >= 0:
+            finish_split(io, plan, item.split_slot, self.group, self.head_dim, tidx,
+                         num_threads, barrier_id=NamedBarrier.MMA)
 
     def window_right(self, mIParams: cute.Tensor):
         """The right limit's offset from the query position (0: causal)."""

@@ -14,6 +14,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from podcute import layouts
+from podcute.kernels.args import PlanTensors, PodTensors
 from podcute.kernels.barriers import barrier_or
 from podcute.kernels.metadata import MergeCol
 
@@ -122,21 +123,14 @@ def merge_group(
 
 @cute.jit
 def finish_split(
-    mO: cute.Tensor,
-    mLSE: Optional[cute.Tensor],
-    mPartialO: cute.Tensor,
-    mPartialLSE: cute.Tensor,
-    mMerge: cute.Tensor,  # [merges, MERGE_COLS] (metadata.MergeCol)
-    mSlotMerge: cute.Tensor,  # [slots]: merge row of each split slot
-    mMergeSem: cute.Tensor,  # [merges] int32, zero between launches
-    mQStart: cute.Tensor,
+    io: PodTensors,  # (mO, mLSE and mSinks)
+    plan: PlanTensors,  # (the partials, the merge rows and semaphores, mQStart)
     split_slot: Int32,
     group: cutlass.Constexpr[int],
     head_dim: cutlass.Constexpr[int],
     tidx: Int32,
     num_threads: cutlass.Constexpr[int],
     barrier_id: cutlass.Constexpr[int],
-    mSinks: Optional[cute.Tensor] = None,
 ):
     """After a split's partials are written: count it; the group's last split merges.
 
@@ -146,7 +140,8 @@ def finish_split(
     (`barrier_or`) tells the others, which fence again (acquire) and read every split's
     partials; then it resets the semaphore so the next launch starts from zero.
     """
-    m = mSlotMerge[split_slot]
+    mMerge, mMergeSem = plan.mMerge, plan.mMergeSem
+    m = plan.mSlotMerge[split_slot]
     num_splits = mMerge[m, MergeCol.NUM_SPLITS]
     cute.arch.fence_acq_rel_gpu()
     cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
@@ -159,14 +154,14 @@ def finish_split(
         req = mMerge[m, MergeCol.REQ]
         kv_head = mMerge[m, MergeCol.KV_HEAD]
         row_start = mMerge[m, MergeCol.ROW_START]
-        q_start = mQStart[req]
-        q_len = mQStart[req + 1] - q_start
-        gO = layouts.packed_rows(mO, q_start, q_len, kv_head, group)
+        q_start = plan.mQStart[req]
+        q_len = plan.mQStart[req + 1] - q_start
+        gO = layouts.packed_rows(io.mO, q_start, q_len, kv_head, group)
         gLSE = None
-        if const_expr(mLSE is not None):
-            gLSE = layouts.packed_lse(mLSE, q_start, q_len, kv_head, group)
-        merge_group(gO, gLSE, mPartialO, mPartialLSE, row_start,
+        if const_expr(io.mLSE is not None):
+            gLSE = layouts.packed_lse(io.mLSE, q_start, q_len, kv_head, group)
+        merge_group(gO, gLSE, plan.mPartialO, plan.mPartialLSE, row_start,
                     mMerge[m, MergeCol.ROW_END] - row_start, mMerge[m, MergeCol.FIRST_SLOT],
-                    num_splits, tidx, num_threads, head_dim, mSinks, kv_head, group)
+                    num_splits, tidx, num_threads, head_dim, io.mSinks, kv_head, group)
         if tidx == 0:
             mMergeSem[m] = Int32(0)

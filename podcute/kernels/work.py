@@ -3,10 +3,10 @@
 from dataclasses import dataclass
 
 import cutlass
-import cutlass.cute as cute
 from cutlass import Int32
 
 from podcute.layouts import RAGGED_REQUEST
+from podcute.kernels.args import PlanTensors
 from podcute.kernels.metadata import KIND_BITS, KIND_MASK, Kind, WorkCol
 from podcute.kernels.visibility import tile_bounds
 
@@ -30,10 +30,11 @@ class WorkItem:
     page_start: Int32
 
     @staticmethod
-    def load(mWork: cute.Tensor, mQStart: cute.Tensor, mKvLen: cute.Tensor,
-             mPageStart: cute.Tensor, idx: Int32) -> "WorkItem":
+    def load(plan: PlanTensors, idx: Int32) -> "WorkItem":
+        """Item `idx` of the plan: its work row and its request's lengths and pages."""
+        mWork = plan.mWork
         req = mWork[idx, WorkCol.REQ]
-        q_start = mQStart[req]
+        q_start = plan.mQStart[req]
         kind = mWork[idx, WorkCol.KIND]
         return WorkItem(
             req=req,
@@ -46,9 +47,9 @@ class WorkItem:
             is_decode=(kind & KIND_MASK) == Int32(Kind.DECODE),
             decode_index=kind >> KIND_BITS,
             q_start=q_start,
-            q_len=mQStart[req + 1] - q_start,
-            kv_len=mKvLen[req],
-            page_start=mPageStart[req],
+            q_len=plan.mQStart[req + 1] - q_start,
+            kv_len=plan.mKvLen[req],
+            page_start=plan.mPageStart[req],
         )
 
     def reads_ragged(self, ragged_kv: bool):

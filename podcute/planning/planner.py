@@ -60,7 +60,7 @@ from podcute.planning.inputs import _PageSet, batch_inputs
 from podcute.planning.options import PlanOptions
 from podcute.planning.types import (F32_MAX, F32_TINY, MAX_BATCH_SIZE, MAX_NUM_PAGES,
                                     MAX_NUM_TOKENS, MAX_WORK_ITEMS, CapacityError, Plan,
-                                    PlanConfig, PlanSummary, capacities)
+                                    PlanBuffers, PlanConfig, PlanSummary, capacities)
 
 _ALIGN = 16  # int32 elements: metadata segments start on 64-byte boundaries
 
@@ -272,10 +272,13 @@ class Planner(WorkExpansion):
         self._iota = np.arange(cap.batch + 1)  # request indices, sliced instead of made
         # The kernel's metadata arguments: whole buffers, the same tuple for every plan of
         # this buffer epoch (so a CUDA graph that captured them stays valid).
-        self.kernel_args = (d["work"], d["cta_ptr"], d["q_start"], d["kv_len"],
-                            d["page_start"], self._page_list, self._partial_o,
-                            self._partial_lse, d["merge"], d["slot_merge"], self._merge_sem,
-                            d["params"], d["iparams"], cfg.page_size.bit_length() - 1, grid)
+        self.buffers = PlanBuffers(
+            mWork=d["work"], mCtaPtr=d["cta_ptr"], mQStart=d["q_start"], mKvLen=d["kv_len"],
+            mPageStart=d["page_start"], mPageList=self._page_list, mPartialO=self._partial_o,
+            mPartialLSE=self._partial_lse, mMerge=d["merge"], mSlotMerge=d["slot_merge"],
+            mMergeSem=self._merge_sem, mParams=d["params"], mIParams=d["iparams"],
+            page_shift=cfg.page_size.bit_length() - 1)
+        self.kernel_args = (*self.buffers, grid)
 
     def _grow_splits(self, items: int, merges: int, slots: int) -> None:
         """Room for a batch-invariant plan's fixed-size splits (twice what it needs), or

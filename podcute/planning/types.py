@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 import torch
 
+from podcute.kernels.args import PlanTensors
 from podcute.kernels.config import KernelConfig
 from podcute.kernels.metadata import WORK_COLS
 from podcute.planning.cost import DEFAULT_COST_MODEL
@@ -31,6 +32,14 @@ MAX_WORK_ITEMS = 2**31 // WORK_COLS // 2
 # float32's smallest normal and largest finite values: scales the kernel reads as float32
 # must lie between them (a subnormal flushes to 0 in its fast math).
 F32_TINY, F32_MAX = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
+
+
+# The torch twin of the kernel's plan bundle (kernels/args.py): the planner's whole
+# buffers under the same names, in the same order, and log2 of the page size.
+PlanBuffers = NamedTuple(
+    "PlanBuffers",
+    [(name, torch.Tensor) for name in PlanTensors._fields if name != "page_shift"]
+    + [("page_shift", int)])
 
 
 class CapacityError(ValueError):
@@ -185,7 +194,9 @@ class Plan:
     max_page_index: int
     buffer_epoch: int  # planner buffer generation: changes only when buffers are regrown
     summary: PlanSummary
-    kernel_args: tuple = field(repr=False)  # the planner's whole buffers, kernel order
+    # the planner's whole buffers and its grid: (*PlanBuffers, num_ctas), the kernel's
+    # order after the caller's tensors (kernels/args.py)
+    kernel_args: tuple = field(repr=False)
     # host arrays owned by this plan
     q_lens: np.ndarray = field(repr=False)
     kv_lens: np.ndarray = field(repr=False)
