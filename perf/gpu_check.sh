@@ -7,6 +7,9 @@
 #                                             warm-fp8 fp8 fp8-bench fp8-memcheck fp8-ab ab
 #                                             warm-portable portable (PODCUTE_ARCH=sm_90)
 #                                             fp8-racecheck fp8-synccheck
+#                                             second-memcheck second-racecheck (the
+#                                             legacy wrapper's ragged K/V, BatchPOD's
+#                                             second cache)
 #                                             ncu-W-PAGE
 #                                             (ncu of workload W at page PAGE, e.g. ncu-F1-16)
 #                                             ncu-base-W-PAGE (the same for the source tree
@@ -106,6 +109,13 @@ for s in "$@"; do
         python tests/gpu_sanitize.py --fp8 --small ;;
     fp8-synccheck) step fp8-synccheck 300 compute-sanitizer --tool synccheck --error-exitcode 3 \
         python tests/gpu_sanitize.py --fp8 --small ;;
+    # the second K/V sources: the legacy wrapper's ragged one, BatchPOD's second cache
+    second-memcheck) for f in --legacy --cache2; do step second-memcheck$f 240 \
+        compute-sanitizer --tool memcheck --error-exitcode 3 python tests/gpu_sanitize.py $f
+        done ;;
+    second-racecheck) for f in --legacy --cache2; do step second-racecheck$f 300 \
+        compute-sanitizer --tool racecheck --error-exitcode 3 --kernel-regex kns=kernel_cutlass \
+        python tests/gpu_sanitize.py $f --small; done ;;
     features) step features 500 env PODCUTE_GPU_REPORT="$OUT/features_report.json" \
         python -m pytest -q -x -m gpu tests/test_kernel_gpu.py -k "feature or invariant or nothing" ;;
     kernel) step kernel 420 env PODCUTE_GPU_REPORT="$OUT/kernel_report.json" \

@@ -14,7 +14,7 @@ import torch
 from podcute.checks import (DTYPES, FP8_DTYPES, check_aligned_rows, check_dense, check_distinct,
                             check_head_dim, check_index, check_int, check_layout, check_page_size,
                             check_out_memory, check_rows_like, check_sm_scale, overlapped,
-                            same_device, scale_tensor)
+                            renamed_errors, same_device, scale_tensor)
 from podcute.compile import unsupported_arch_message
 from podcute.kernels.config import check_fp8_kv
 from podcute.launch import launch, require_arch, resolve_arch
@@ -115,7 +115,8 @@ class PODAttention:
     def plan(self, cu_seqlens_q, kv_lens=None, block_table=None, kv_indptr=None,
              kv_indices=None, last_page_len=None, causal: bool = True,
              sm_scale: float | None = None, *, window_size=(-1, -1), softcap: float = 0.0,
-             batch_invariant: bool = False, _kv_name: str = "kv_lens") -> PlanSummary:
+             batch_invariant: bool = False, _kv_name: str = "kv_lens",
+             _second_cache_requests: int = 0) -> PlanSummary:
         """Plan a batch. `cu_seqlens_q` int32 [B+1]; KV lengths from `kv_lens` int32 [B] or
         FlashInfer's `last_page_len` (with CSR pages); pages from `block_table` int32
         [B, max_pages] or CSR `kv_indptr` [B+1] + `kv_indices`. Index tensors may live on
@@ -124,7 +125,9 @@ class PODAttention:
         `window_size=(left, right)`: sliding window, FlashAttention's convention (-1 =
         unbounded); `softcap > 0`: logits soft-capped to softcap * tanh(s / softcap);
         `batch_invariant`: a request's output is bitwise the same whatever shares its
-        batch (docs/contract.md). A plan serves the layers that share these."""
+        batch (docs/contract.md). A plan serves the layers that share these.
+        `_second_cache_requests` (internal: podcute.compat's BatchPOD wrapper): requests
+        [0, n) read a second cache when run() is given one (`_second_cache`)."""
         # One pass over what a serving loop passes (int32 CPU tensors of the right ranks and
         # lengths); anything else takes the detailed checks, which name the argument.
         if not self._plan_common_case(cu_seqlens_q, kv_lens, block_table, kv_indptr,
@@ -140,7 +143,8 @@ class PODAttention:
                                        last_page_len=last_page_len, causal=causal,
                                        sm_scale=sm_scale, window_size=window_size,
                                        softcap=softcap, batch_invariant=batch_invariant,
-                                       _kv_name=_kv_name)
+                                       _kv_name=_kv_name,
+                                       _second_cache_requests=_second_cache_requests)
         del old
         self._page_arg = "block_table" if block_table is not None else "kv_indices"
         return self._plan.summary
@@ -247,9 +251,10 @@ class PODAttention:
         except (AttributeError, TypeError, ValueError, IndexError, RuntimeError):
             return False
 
-    def _validate_run(self, plan: Plan, q, k_cache, v_cache, out) -> None:
+    def _validate_run(self, plan: Plan, q, k_cache, v_cache, out, check_pages=True) -> None:
         """Every run() argument check, each raising a ValueError/TypeError that names the
-        argument and what was expected."""
+        argument and what was expected (the pages too, unless `check_pages` is off: a run
+        over two caches checks them per cache)."""
         Hq, Hkv, D, ps = self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size
         for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
             check_dense(name, t)
@@ -289,7 +294,8 @@ class PODAttention:
                                  f"strides {tuple(t.stride())}")
         check_aligned_rows(("q", q), ("k_cache", k_cache), ("v_cache", v_cache))
         # Security boundary: no request may read outside the pool (O(1) in the usual case).
-        plan.check_pages(k_cache.shape[0], self._page_arg)
+        if check_pages:
+            plan.check_pages(k_cache.shape[0], self._page_arg)
         if out is not None:
             check_rows_like("out", out, q, tuple(q.shape), "[total_q, Hq, D]")
             check_out_memory(out, (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)))
@@ -297,7 +303,7 @@ class PODAttention:
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             out: torch.Tensor | None = None, return_lse: bool = False,
             lse: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
-            k_scale=None, v_scale=None, *, _ragged_kv=None):
+            k_scale=None, v_scale=None, *, _ragged_kv=None, _second_cache=None):
         """Attention of the planned batch. q [T, Hq, D] with T >= cu_seqlens_q[-1] (rows
         past it are padding: never read, never written); caches [num_pages, page_size,
         Hkv, D] (NHD) or [num_pages, Hkv, page_size, D] (HND), any strides with a
@@ -314,15 +320,21 @@ class PODAttention:
         (README, CUDA graphs).
         `_ragged_kv` (internal: podcute.compat's legacy POD wrapper): (k, v) views
         [1, kv_len, Hkv, D] of one contiguous-rows K/V, which request 0 reads instead of
-        its pages (its page-table entries must still be valid pages: they are looked up)."""
+        its pages (its page-table entries must still be valid pages: they are looked up).
+        `_second_cache` (internal: podcute.compat's BatchPOD wrapper): (k, v), a second
+        cache like k_cache / v_cache, which requests [0, _second_cache_requests of the
+        plan) read instead of the first (16-bit caches)."""
         plan = self._plan
         if plan is None:
             raise RuntimeError("PODAttention.run() called before plan(): plan the batch first")
-        # One pass over what a serving loop always passes right; anything else (or an
-        # error) takes the detailed checks below, which name the argument at fault.
-        self._check_tensors(plan, q, k_cache, v_cache, out)
+        if _second_cache is not None:
+            self._check_second_cache(plan, q, k_cache, v_cache, out, _second_cache)
+        else:
+            # One pass over what a serving loop always passes right; anything else (or an
+            # error) takes the detailed checks below, which name the argument at fault.
+            self._check_tensors(plan, q, k_cache, v_cache, out)
         return self._run_checked(plan, q, k_cache, v_cache, out, return_lse, lse, sinks,
-                                 k_scale, v_scale, _ragged_kv)
+                                 k_scale, v_scale, _ragged_kv, _second_cache)
 
     def _check_tensors(self, plan: Plan, q, k_cache, v_cache, out) -> None:
         """run()'s checks of q, the caches and out: the one-pass common case, else the
@@ -331,12 +343,14 @@ class PODAttention:
             self._validate_run(plan, q, k_cache, v_cache, out)
 
     def _run_checked(self, plan: Plan, q, k_cache, v_cache, out, return_lse, lse, sinks,
-                     k_scale, v_scale, _ragged_kv=None):
+                     k_scale, v_scale, _ragged_kv=None, _second_cache=None):
         """run() once q, the caches and out passed _common_case or _validate_run for
         `plan` (the one-shot entry points call it after their own _common_case): the
         optional tensors' checks, then the launch."""
         if lse is not None:
             self._check_lse(lse, q, k_cache, v_cache, out)
+            if _second_cache is not None:
+                self._check_lse(lse, q, *_second_cache, out)
             return_lse = True
         if sinks is not None:
             self._check_sinks(sinks, q)
@@ -364,8 +378,23 @@ class PODAttention:
             lse = torch.empty(q.shape[0], self.num_qo_heads, dtype=torch.float32,
                               device=q.device)
         launch(plan, q, k_cache, v_cache, out, lse, kv_layout=self.kv_layout, sinks=sinks,
-               k_scale=k_scale, v_scale=v_scale, ragged_kv=_ragged_kv)
+               k_scale=k_scale, v_scale=v_scale, ragged_kv=_ragged_kv,
+               second_cache=_second_cache)
         return (out, lse) if return_lse else out
+
+    def _check_second_cache(self, plan: Plan, q, k_cache, v_cache, out, second) -> None:
+        """run()'s checks with a second cache: both caches as run() checks one (the second's
+        errors name it), out apart from both, and each request's pages inside its cache."""
+        if self.fp8:
+            raise ValueError("a second cache needs 16-bit caches (this PODAttention's caches "
+                             f"are {self.kv_dtype})")
+        if not isinstance(second, tuple) or len(second) != 2:
+            raise TypeError(f"_second_cache must be a (k, v) tuple, got {type(second).__name__}")
+        k2, v2 = second
+        self._validate_run(plan, q, k_cache, v_cache, out, check_pages=False)
+        with renamed_errors({"k_cache": "the second k cache", "v_cache": "the second v cache"}):
+            self._validate_run(plan, q, k2, v2, out, check_pages=False)
+        plan.check_second_cache_pages(k_cache.shape[0], k2.shape[0], self._page_arg)
 
     def _check_ragged_kv(self, plan: Plan, q, ragged_kv) -> None:
         """run()'s `_ragged_kv`: (k, v) [1, kv_len of request 0, Hkv, D] in q's dtype on

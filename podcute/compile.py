@@ -135,12 +135,13 @@ def _fake_args(key: VariantKey):
     scales = ((make_fake_tensor(cutlass.Float32, (sym(),), (1,), assumed_align=4),
                make_fake_tensor(cutlass.Float32, (sym(),), (1,), assumed_align=4))
               if cfg.fp8 else (None, None))
-    # ragged_kv: the ragged request's K/V, [1, kv_len, Hkv, D] views as a cache's.
-    ragged = (cache(), cache()) if cfg.ragged_kv else (None, None)
+    # The second K/V source: the ragged request's K/V, [1, kv_len, Hkv, D] views as a
+    # cache's (ragged_kv), or a second cache (second_cache).
+    ragged = (cache(), cache()) if cfg.ragged_kv or cfg.second_cache else (None, None)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     io = PodTensors(mQ=rows3(), mK=cache(), mV=cache(), mO=rows3(), mLSE=lse, mSinks=sinks,
-                    mKScale=scales[0], mVScale=scales[1], mKRagged=ragged[0],
-                    mVRagged=ragged[1])
+                    mKScale=scales[0], mVScale=scales[1], mK2=ragged[0],
+                    mV2=ragged[1])
     plan = PlanTensors(mWork=work, mCtaPtr=ivec(), mQStart=ivec(), mKvLen=ivec(),
                        mPageStart=ivec(), mPageList=ivec(), mPartialO=partial_o,
                        mPartialLSE=partial_lse, mMerge=merge, mSlotMerge=ivec(),

@@ -80,21 +80,23 @@ _variants: dict = {}
 
 
 def _kernel(device, dtype, plan_config, options, has_lse: bool, has_sinks: bool,
-            ragged_kv: bool = False):
+            ragged_kv: bool = False, second_cache: bool = False):
     """The compiled kernel for a plan's configuration: a dict hit after the first call."""
-    facts = (device, dtype, id(plan_config), options.variant, has_lse, has_sinks, ragged_kv)
+    facts = (device, dtype, id(plan_config), options.variant, has_lse, has_sinks, ragged_kv,
+             second_cache)
     hit = _variants.get(facts)
     if hit is None or hit[0] is not plan_config:
         require_arch(device, plan_config.kernel.arch)
         cfg = plan_config.kernel.with_flags(has_lse=has_lse, has_sinks=has_sinks,
-                                            ragged_kv=ragged_kv, **options.kernel_flags())
+                                            ragged_kv=ragged_kv, second_cache=second_cache,
+                                            **options.kernel_flags())
         hit = (plan_config, compile_variant(VariantKey.make(cfg)))
         _variants[facts] = hit
     return hit[1]
 
 
 def launch(plan, q, k_cache, v_cache, out, lse, kv_layout: str = "NHD", sinks=None,
-           k_scale=None, v_scale=None, ragged_kv=None):
+           k_scale=None, v_scale=None, ragged_kv=None, second_cache=None):
     """Run the fused POD kernel for `plan` (one launch; split-KV groups merge in-kernel).
 
     `out` is [T, Hq, D] (q's dtype), `lse` is [T, Hq] float32 or None, `sinks` [Hq]
@@ -102,24 +104,28 @@ def launch(plan, q, k_cache, v_cache, out, lse, kv_layout: str = "NHD", sinks=No
     None, or (k, v) [1, kv_len, Hkv, D] views (the canonical (page, slot, kv_head, dim) of
     one page) that request 0 of the plan reads its K/V from instead of its pages (a
     `ragged_kv` variant; that request keeps page-table entries, looked up but never used
-    to address). Every metadata
+    to address). `second_cache`: None, or (k, v) caches like k_cache / v_cache that
+    requests [0, plan.second_cache_requests) read instead (a `second_cache` variant).
+    Every metadata
     argument is a whole planner buffer (`plan.kernel_args`), the same for every plan, so a
     captured launch replays with whatever plan() wrote last.
     Raises RuntimeError naming what is needed when the device cannot run the plan's kernel.
     """
     # A plan serves one PODAttention, whose checks fixed q's dtype and device.
-    flags = (lse is not None) | (sinks is not None) << 1 | (ragged_kv is not None) << 2
+    flags = ((lse is not None) | (sinks is not None) << 1 | (ragged_kv is not None) << 2
+             | (second_cache is not None) << 3)
     pod = plan._kernels[flags]
     if pod is None:
         pod = plan._kernels[flags] = _kernel(q.device, q.dtype, plan.config, plan.options,
                                              lse is not None, sinks is not None,
-                                             ragged_kv is not None)
+                                             ragged_kv is not None, second_cache is not None)
+    k2, v2 = ragged_kv if ragged_kv is not None else second_cache or (None, None)
     if kv_layout == "HND":
         # The kernel addresses (page, slot, head, dim); HND is that view with two strides
         # swapped (layouts.canonical_kv in torch terms), so both layouts share one variant.
         k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
-    k_ragged, v_ragged = ragged_kv if ragged_kv is not None else (None, None)
+        if second_cache is not None:
+            k2, v2 = k2.transpose(1, 2), v2.transpose(1, 2)
     # The compiled signature (kernels/args.py): PodTensors' fields, then PlanTensors' (the
     # planner's buffers) and the grid.
-    pod(q, k_cache, v_cache, out, lse, sinks, k_scale, v_scale, k_ragged, v_ragged,
-        *plan.kernel_args)
+    pod(q, k_cache, v_cache, out, lse, sinks, k_scale, v_scale, k2, v2, *plan.kernel_args)

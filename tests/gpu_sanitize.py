@@ -12,7 +12,9 @@ only the batches whose name contains TEXT (no graph replay; with `--fp8` too). `
 the fp8-cache batches (e4m3 and e5m2, per-head and scalar scales, each page class: the
 converting producer warps and their two-level pipeline). `--legacy` runs only FlashInfer's
 legacy POD wrapper in one launch (the ragged variant: request 0's K/V from contiguous
-tensors, by TMA at pages 16 and 128 and by the gather at page 1).
+tensors, by TMA at pages 16 and 128 and by the gather at page 1); `--cache2` only its
+BatchPOD wrapper over separate prefill and decode caches in one launch (the second-cache
+variant, each cache exactly its side's pages).
 """
 
 import sys
@@ -240,6 +242,57 @@ def main_legacy(small: bool) -> int:
     return 0 if ok else 1
 
 
+def main_second_cache(small: bool) -> int:
+    """FlashInfer's BatchPOD with separate prefill and decode caches in one launch (the
+    second-cache variant), each cache holding exactly its side's pages, renumbered from 0:
+    a request that read the other cache would read past its end (memcheck) or wrong
+    values."""
+    from podcute.compat.flashinfer import BatchPODWithPagedKVCacheWrapper
+
+    s = 4 if small else 1
+    hq, hkv, d = 8, 2, 128
+    prefill_q, prefill_kv = [300 // s, 64, 17], [700 // s, 64, 900 // s]
+    decode_kv = [1, 17, 3000 // s, 64, 2, 999 // s, 128, 7]
+    ok = True
+    for page in (1, 16, 128):
+        b = make_batch(prefill_q + [1] * len(decode_kv), prefill_kv + decode_kv,
+                       num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page,
+                       device="cuda", page_format="csr", seed=50 + page)
+        n = len(prefill_q)
+        ip, idx = b.kv_indptr.long(), b.kv_indices.long()
+        split, end = int(ip[n]), int(ip[-1])
+        i32 = dict(dtype=torch.int32, device="cuda")
+        args = {}
+        caches = []
+        for side, rows, lo, hi in (("p", slice(0, n + 1), 0, split),
+                                   ("d", slice(n, None), split, end)):
+            pages = idx[lo:hi]
+            caches.append((b.k_cache[pages].contiguous(), b.v_cache[pages].contiguous()))
+            qo = b.cu_seqlens_q[rows].long()
+            args.update({f"qo_indptr_{side}": (qo - qo[0]).to(**i32),
+                         f"kv_indptr_{side}": (ip[rows] - lo).to(**i32),
+                         f"kv_indices_{side}": torch.arange(hi - lo, **i32)})
+        args.update(last_page_len_p=b.last_page_len[:n], last_page_len_d=b.last_page_len[n:])
+        w = BatchPODWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8,
+                                                        device="cuda"))
+        w.plan(**args, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page,
+               q_data_type=torch.bfloat16)
+        total_p = int(b.cu_seqlens_q[n])
+        out_p, out_d = w.run(b.q[:total_p], caches[0], b.q[total_p:], caches[1],
+                             causal_p=True)
+        ref = b.reference(causal=True)
+        torch.cuda.synchronize()
+        assert w._sides is None  # (one launch, not the per-side fallback)
+        for name, out, r in (("prefill", out_p, ref[:total_p]), ("decode", out_d,
+                                                                   ref[total_p:])):
+            rel = ((out.float() - r.float()).norm() / r.float().norm()).item()
+            good = rel < 5e-3 and not out.isnan().any()
+            print(f"BatchPOD separate caches p{page} {name}: rel L2 {rel:.2e} "
+                  f"{'ok' if good else 'FAIL'}", flush=True)
+            ok &= good
+    return 0 if ok else 1
+
+
 if __name__ == "__main__":
     from podcute.testing import decode_evict_first_from_env
 
@@ -247,6 +300,8 @@ if __name__ == "__main__":
     with decode_evict_first_from_env():  # $PODCUTE_TEST_DECODE_EVICT_FIRST=0/1: the L2 hint
         if "--legacy" in sys.argv:
             sys.exit(main_legacy("--small" in sys.argv))
+        if "--cache2" in sys.argv:
+            sys.exit(main_second_cache("--small" in sys.argv))
         if "--fp8" in sys.argv:
             sys.exit(main_fp8("--small" in sys.argv, only))
         sys.exit(main("--small" in sys.argv, only))

@@ -180,18 +180,37 @@ def test_batch_pod_unsupported_run_arguments_raise(kw, words):
         w.run(q_p, kv, q_d, kv, q_scale=1.0, k_scale=None, v_scale=1.0, enable_pdl=True)
 
 
-def test_batch_pod_separate_caches_run_each_side_on_its_own():
+def test_batch_pod_separate_caches_run_in_one_launch(launches):
+    # The decode cache is the launch's first, the prefill cache its second, which the
+    # plan's first num_prefill requests read (a second_cache launch; plan word 6).
     w = batch_pod()
     q_p, q_d, kv = pod_inputs()
-    with raises(RuntimeError, "Hopper"):  # planned per side, then the device check
-        w.run(q_p, kv, q_d, kv.clone())
-    causal, (p, d) = w._sides
-    assert causal is False
-    assert p.current_plan.batch_size + d.current_plan.batch_size == w._batch.cu.size - 1
-    assert not d.current_plan.causal
-    # the same cache given two ways is one cache
-    with raises(RuntimeError, "Hopper"):
-        w.run(q_p, kv, q_d, (kv[:, 0], kv[:, 1]))
+    kv_d = torch.randn(5, *kv.shape[1:], dtype=BF16)  # pages 0-4: the decode side's
+    w.run(q_p, kv, q_d, kv_d)
+    (plan, q, k, v, out, lse, kw), = launches
+    assert plan.second_cache_requests == 2 and plan.batch_size == 5
+    assert int(plan.params.view(torch.int32)[6]) == 2
+    assert k.data_ptr() == kv_d[:, 0].data_ptr() and v.data_ptr() == kv_d[:, 1].data_ptr()
+    k2, v2 = kw["second_cache"]
+    assert k2.data_ptr() == kv[:, 0].data_ptr() and v2.data_ptr() == kv[:, 1].data_ptr()
+    assert w._sides is None and q.shape[0] == 53
+    # each request's pages are checked against its own cache: the prefill side reads
+    # pages 7-10 of its 12, the decode side pages 1-4 of its 5
+    with raises(ValueError, "kv_indices", "request 1", "page 10", "paged_kv_cache_p",
+                "has only 10 pages"):
+        w.run(q_p, kv[:10], q_d, kv_d)
+    with raises(ValueError, "kv_indices", "request 4", "page 4", "paged_kv_cache_d",
+                "has only 4 pages"):
+        w.run(q_p, kv, q_d, kv_d[:4])
+    # the second cache gets run()'s checks under its own name
+    with raises(ValueError, "paged_kv_cache_p"):
+        w.run(q_p, kv[:, :, :8], q_d, kv_d)
+    with raises(TypeError, "paged_kv_cache_d"):
+        w.run(q_p, kv, q_d, kv_d.half())
+    # the same cache given two ways is one cache: the plain launch
+    launches.clear()
+    w.run(q_p, kv, q_d, (kv[:, 0], kv[:, 1]))
+    assert launches[0][6]["second_cache"] is None
 
 
 def test_batch_pod_causal_with_multi_token_decode_raises():
@@ -204,6 +223,12 @@ def test_batch_pod_causal_with_multi_token_decode_raises():
         w.run(q[:50], kv, q[50:], kv, causal_p=True)
     with raises(RuntimeError, "Hopper"):  # non-causal is fine
         w.run(q[:50], kv, q[50:], kv, causal_p=False)
+    # Separate caches: each side runs alone (FlashInfer's decode side has no mask)
+    with raises(RuntimeError, "Hopper"):  # planned per side, then the device check
+        w.run(q[:50], kv, q[50:], kv.clone(), causal_p=True)
+    causal, (p, d) = w._sides
+    assert causal is True and p.current_plan.causal and not d.current_plan.causal
+    assert p.current_plan.batch_size + d.current_plan.batch_size == w._batch.cu.size - 1
 
 
 def test_batch_pod_run_validates_before_the_device():

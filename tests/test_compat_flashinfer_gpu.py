@@ -6,9 +6,9 @@ reference (relative L2 <= 5e-3, bf16), the LSE must be the reference's natural-l
 times log2(e) (FlashInfer's base 2, within 1e-3 natural), and every output row of a
 token must be written (caller buffers and the allocator's free blocks are NaN-poisoned
 first). Kernel variants are kept few: bf16, head_dim 128, GQA group 4, causal, pages
-1 and 16, with and without LSE, and the legacy wrapper's ragged variants for pages 1, 16
+1 and 16, with and without LSE, the legacy wrapper's ragged variants for pages 1, 16
 and 128 (it returns no LSE; its decode batch, one query token per request, is planned
-causal).
+causal), and BatchPOD's second-cache variants for pages 1, 16 and 128.
 """
 
 import math
@@ -123,6 +123,35 @@ def test_batch_pod_matches_reference(page, layout):
         out_p, out_d = w.run(q_copy[0], pool, q_copy[1], pool, causal_p=True)
         check("BatchPOD no lse prefill", out_p, None, ref[:total_p], None)
         check("BatchPOD no lse decode", out_d, None, ref[total_p:], None)
+
+
+@pytest.mark.parametrize("page, layout", [(1, "NHD"), (16, "HND"), (128, "NHD")])
+def test_batch_pod_separate_caches_in_one_launch(page, layout):
+    # Each side's pages live in its own cache, and the other side's pages hold NaN there:
+    # a request that read the wrong cache would show NaN. One launch (no per-side plans).
+    b = mixed_batch(page, layout, seed=40 + page)
+    Bp, total_p = len(PREFILL[0]), sum(PREFILL[0])
+    ref, ref_lse = b.reference(causal=True, return_lse=True)
+    w = BatchPODWithPagedKVCacheWrapper(workspace(), layout)
+    w.plan(**pod_plan_args(b, Bp, on_cpu=True))
+    ip, idx = b.kv_indptr.cpu().long(), b.kv_indices.cpu().long()
+    split = int(ip[Bp])
+    pages_p, pages_d = set(idx[:split].tolist()), set(idx[split: int(ip[-1])].tolist())
+    cache_p, cache_d = pool_of(b).clone(), pool_of(b).clone()
+    cache_p[sorted(pages_d - pages_p)] = float("nan")
+    cache_d[sorted(pages_p - pages_d)] = float("nan")
+    for return_lse in (True, False):
+        poison_allocator()
+        res = w.run(b.q[:total_p], cache_p, b.q[total_p:], cache_d, causal_p=True,
+                    return_lse=return_lse)
+        torch.cuda.synchronize()
+        assert w._sides is None
+        (out_p, out_d), (lse_p, lse_d) = res if return_lse else (res, (None, None))
+        name = f"BatchPOD separate caches page {page} {layout}"
+        check(name + " prefill", out_p, lse_p, ref[:total_p],
+              ref_lse[:total_p] if return_lse else None)
+        check(name + " decode", out_d, lse_d, ref[total_p:],
+              ref_lse[total_p:] if return_lse else None)
 
 
 def test_batch_pod_cuda_graph_replay_after_replan():

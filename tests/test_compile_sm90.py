@@ -107,18 +107,21 @@ def test_fp8_variants_compile_without_spills(fp8_log):
     _assert_no_spills(fp8_log, len(want))
 
 
-def test_ragged_variants_compile_without_spills():
-    """The legacy POD wrapper's variants (a second, ragged K/V source; compiled on first
-    use): every head dim and page class. The ragged request takes its own copy of the
-    producer's TMA loop, so the 24-register producer must not spill."""
-    log = _compile_log("--features", "ragged", "--groups", "4")
+@pytest.mark.parametrize("feature", ["ragged", "cache2"])
+def test_second_source_variants_compile_without_spills(feature):
+    """The variants with a second K/V source (compiled on first use): the legacy POD
+    wrapper's ragged one, BatchPOD's second cache; every head dim and page class. The
+    second source's items take their own copy of the producer's TMA loop, so the
+    24-register producer must not spill."""
+    log = _compile_log("--features", feature, "--groups", "4")
     assert log.returncode == 0, log.stdout[-3000:] + log.stderr[-3000:]
     lines = [l for l in log.stdout.splitlines() if l.startswith("[")]
-    want = shipped_variants(groups=(4,), features=("ragged",))
-    assert len(lines) == len(want) and all(" ragged " in l for l in lines)
+    want = shipped_variants(groups=(4,), features=(feature,))
+    assert len(lines) == len(want) and all(f" {feature} " in l for l in lines)
     _assert_no_spills(log, len(want))
+    flag = {"ragged": "ragged_kv", "cache2": "second_cache"}[feature]
     with pytest.raises(ValueError, match="16-bit cache"):
-        KernelConfig.select("bfloat16", 128, 4, kv_dtype="float8_e4m3fn", ragged_kv=True)
+        KernelConfig.select("bfloat16", 128, 4, kv_dtype="float8_e4m3fn", **{flag: True})
 
 
 def test_every_selected_configuration_is_buildable():

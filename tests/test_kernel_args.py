@@ -29,7 +29,7 @@ def test_fake_arguments_follow_the_bundles():
         assert len(args) == len(ABI)
         io = PodTensors(*args[:len(PodTensors._fields)])
         assert (io.mLSE is None) == (not cfg.has_lse) and io.mSinks is not None
-        assert (io.mKScale is None) == (not kv) and io.mKRagged is None
+        assert (io.mKScale is None) == (not kv) and io.mK2 is None
 
 
 def test_planner_buffers_are_the_torch_twin():

@@ -753,3 +753,28 @@ def test_chip_bandwidth_decides_the_sm_pairs():
     for bad in (0, -1.0, True, "12.8"):
         with pytest.raises(ValueError, match="hbm_bytes_per_sm_clock"):
             Planner(32, 8, 128, 16, device="cpu", arch="sm_90", hbm_bytes_per_sm_clock=bad)
+
+
+def test_second_cache_requests_word_and_page_checks():
+    # BatchPOD's separate caches: requests [0, n) read a second cache, whose count plan()
+    # writes as a plan word (IParam.SECOND_CACHE_REQUESTS) and run() checks pages by.
+    from podcute.kernels.metadata import IParam
+    p = Planner(8, 2, 128, 16, device="cpu", max_batch_size=8, max_num_tokens=256)
+    cu = np.array([0, 20, 21, 22], np.int32)
+    kvl = np.array([40, 17, 33], np.int32)
+    bt = np.array([[7, 8, 9], [1, 0, 0], [2, 3, 4]], np.int32)  # request 0: pages 7-9
+    plan = p.plan(cu, kvl, block_table=bt, _second_cache_requests=1)
+    assert plan.second_cache_requests == 1
+    assert p.buffers.mIParams[IParam.SECOND_CACHE_REQUESTS] == 1
+    plan.check_second_cache_pages(5, 10)  # second cache: pages 7-9; first: 1-4
+    with pytest.raises(ValueError, match="request 0 reads page 9.*second cache.*< 1.*only 9"):
+        plan.check_second_cache_pages(5, 9)
+    with pytest.raises(ValueError, match="request 2 reads page 4.*first cache.*>= 1.*only 4"):
+        plan.check_second_cache_pages(4, 10)
+    with pytest.raises(ValueError, match="request 0 reads page 7"):
+        plan.check_pages(5)  # one cache: every request against it
+    assert p.plan(cu, kvl, block_table=bt).second_cache_requests == 0
+    assert p.buffers.mIParams[IParam.SECOND_CACHE_REQUESTS] == 0
+    for bad in (-1, 4, 1.0, True):
+        with pytest.raises(ValueError, match="_second_cache_requests"):
+            p.plan(cu, kvl, block_table=bt, _second_cache_requests=bad)

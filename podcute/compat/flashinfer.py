@@ -6,11 +6,12 @@ Three classes keep the constructor, ``plan()`` and ``run()`` signatures of Flash
 
 - :class:`BatchPODWithPagedKVCacheWrapper`: a paged prefill batch and a paged decode batch.
   plan() builds **one** podcute plan over their concatenation (prefill requests first,
-  then decode requests); run() makes **one** launch for both, over one KV cache;
+  then decode requests); run() makes **one** launch for both, over one KV cache or over
+  separate prefill and decode caches (the kernel's second-cache variant);
 - :class:`PODWithPagedKVCacheWrapper` (FlashInfer's older API): one prefill over
-  contiguous ragged K/V plus a paged decode batch. **Not fused**: podcute's kernel reads
-  one paged cache per launch, so the prefill (its K/V viewed as pages, no copy) and the
-  decode batch are two launches;
+  contiguous ragged K/V plus a paged decode batch, in **one** launch too (the kernel's
+  ragged variant reads the prefill's K/V rows); two launches only where one plan cannot
+  serve both sides (the class docstring says when);
 - :class:`BatchAttention`: one paged batch, one launch.
 
 How FlashInfer's conventions map onto podcute:
@@ -385,11 +386,15 @@ class BatchPODWithPagedKVCacheWrapper(_Wrapper):
     kernel q_p and q_d as one q (a view when q_d's rows directly follow q_p's in memory,
     else one copy into a wrapper-owned staging buffer) and returns views of one output.
 
-    Limits of the one-launch design (each raises a named error, except the first):
+    When ``paged_kv_cache_p`` and ``paged_kv_cache_d`` are different tensors, the launch
+    reads each side's pages from its own cache (the prefill requests from the second cache
+    of a `second_cache` kernel variant). Limits of the one-launch design (each raises a
+    named error, except the first):
 
-    - one KV cache per launch: when ``paged_kv_cache_p`` and ``paged_kv_cache_d`` are
-      different tensors, each side runs over its own cache (two launches, each side
-      planned on first use from plan()'s copies; the decode side without a mask);
+    - separate caches in fp8, or with ``causal_p=True`` and a decode request of more than
+      one query token: each side runs over its own cache in a launch of its own (two
+      launches, each side planned on first use from plan()'s copies; the decode side
+      without a mask);
     - ``q_p`` must have exactly ``qo_indptr_p[-1]`` rows (FlashInfer's documented shape)
       since the decode rows follow them; ``q_d`` may have padding rows past
       ``qo_indptr_d[-1]`` (never written);
@@ -471,7 +476,7 @@ class BatchPODWithPagedKVCacheWrapper(_Wrapper):
         with renamed_errors(names, note):
             self._attn.plan(b.cu, kv_indptr=b.indptr, kv_indices=b.indices,
                             last_page_len=b.last_page_len, causal=causal, sm_scale=b.sm_scale,
-                            window_size=b.window)
+                            window_size=b.window, _second_cache_requests=b.num_prefill)
 
     def _stage_rows(self, attn: PODAttention, rows: int) -> torch.Tensor:
         """The wrapper-owned q buffer with >= rows rows; it grows only until a capture."""
@@ -509,10 +514,16 @@ class BatchPODWithPagedKVCacheWrapper(_Wrapper):
         k, v = unpack_paged_kv_cache(paged_kv_cache_p, self._kv_layout, "paged_kv_cache_p")
         k_d, v_d = unpack_paged_kv_cache(paged_kv_cache_d, self._kv_layout, "paged_kv_cache_d")
         _check_cache_dtype("paged_kv_cache_p", k, v, attn.kv_dtype)
+        second, names = None, {}
         if not (_same_view(k, k_d) and _same_view(v, v_d)):
             _check_cache_dtype("paged_kv_cache_d", k_d, v_d, attn.kv_dtype)
-            return self._run_sides(q_p, (k, v), q_d, (k_d, v_d), causal_p, return_lse,
-                                   scales, out_scale)
+            if attn.fp8 or (causal_p and b.max_q_d > 1):
+                return self._run_sides(q_p, (k, v), q_d, (k_d, v_d), causal_p, return_lse,
+                                       scales, out_scale)
+            # One launch: the prefill requests (plan requests [0, num_prefill)) read the
+            # second cache, the decode requests the first.
+            second, (k, v) = (k, v), (k_d, v_d)
+            names = _TWO_CACHE_NAMES
         if causal_p and b.max_q_d > 1:
             raise NotImplementedError(
                 f"causal_p=True with a decode request of {b.max_q_d} query tokens is not "
@@ -529,7 +540,8 @@ class BatchPODWithPagedKVCacheWrapper(_Wrapper):
             rows = q_p.shape[0] + q_d.shape[0]
             q = self._stage_rows(attn, rows)[:rows]
             torch.cat((q_p, q_d), out=q)
-        res = attn.run(q, k, v, return_lse=return_lse, **scales)
+        with renamed_errors(names):
+            res = attn.run(q, k, v, return_lse=return_lse, _second_cache=second, **scales)
         if capturing():
             self._captured_rows_p = b.total_p
         n = q_p.shape[0]
@@ -544,9 +556,11 @@ class BatchPODWithPagedKVCacheWrapper(_Wrapper):
 
     def _run_sides(self, q_p, cache_p, q_d, cache_d, causal_p, return_lse, scales,
                    out_scale):
-        """Separate prefill and decode caches: each side over its own cache, two launches
-        (one podcute launch reads one cache), each side planned from the plan()'s copies
-        on first use (the decode side without a mask, as FlashInfer runs it)."""
+        """Separate prefill and decode caches where one launch cannot serve them (fp8
+        caches, which have no second-cache variant; causal_p with a decode request of
+        several query tokens, which FlashInfer runs without a mask): each side over its
+        own cache, two launches, each side planned from the plan()'s copies on first use
+        (the decode side without a mask, as FlashInfer runs it)."""
         b = self._batch
         if self._sides is None or self._sides[0] != causal_p:
             if capturing():
@@ -581,6 +595,14 @@ class BatchPODWithPagedKVCacheWrapper(_Wrapper):
         if not return_lse:
             return res[0], res[1]
         return (res[0][0], res[1][0]), (res[0][1], res[1][1])
+
+
+# run()'s error names for BatchPOD's separate caches (the decode cache is the launch's
+# first, the prefill cache its second).
+_TWO_CACHE_NAMES = {"the second k cache": "paged_kv_cache_p (k)",
+                    "the second v cache": "paged_kv_cache_p (v)",
+                    "the second cache": "paged_kv_cache_p", "the first cache": "paged_kv_cache_d",
+                    "k_cache": "paged_kv_cache_d (k)", "v_cache": "paged_kv_cache_d (v)"}
 
 
 def _checked_side(side: str, tensors, device) -> dict:

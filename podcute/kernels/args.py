@@ -33,8 +33,10 @@ class PodTensors(NamedTuple):
     mSinks: Optional[cute.Tensor]  # [Hq] fp32 sink logits (has_sinks) or None
     mKScale: Optional[cute.Tensor]  # fp8 cache: [Hkv] or [1] fp32 dequant scales, or None
     mVScale: Optional[cute.Tensor]
-    mKRagged: Optional[cute.Tensor]  # ragged_kv: request 0's K/V, [1, kv_len, Hkv, D]
-    mVRagged: Optional[cute.Tensor]
+    # The second K/V source, or None: request 0's K/V, [1, kv_len, Hkv, D] (ragged_kv), or
+    # a second cache like mK/mV (second_cache: requests [0, IParam.SECOND_CACHE_REQUESTS)).
+    mK2: Optional[cute.Tensor]
+    mV2: Optional[cute.Tensor]
 
 
 class PlanTensors(NamedTuple):

@@ -56,10 +56,11 @@ def arch_head_dims(arch: str) -> tuple:
 
 
 # Features a variant may carry, as named in a feature spec ("window+sinks"): the
-# KernelConfig flag of each. The model features, and "ragged": a second K/V source
-# (`ragged_kv`, FlashInfer's legacy POD wrapper).
+# KernelConfig flag of each. The model features, and the second K/V sources: "ragged"
+# (`ragged_kv`, FlashInfer's legacy POD wrapper) and "cache2" (`second_cache`, its BatchPOD
+# wrapper with separate prefill and decode caches).
 FEATURES = {"window": "window", "softcap": "softcap", "sinks": "has_sinks",
-            "ragged": "ragged_kv"}
+            "ragged": "ragged_kv", "cache2": "second_cache"}
 
 WARPGROUP_THREADS = 128
 # Hopper: 227 KB of shared memory per CTA (opt-in), 64K 32-bit registers per SM.
@@ -134,6 +135,10 @@ class KernelConfig:
     # its K/V rows from the ragged tensors, seen as one page holding its tokens
     # (layouts.ragged_locate); every other request reads the paged cache.
     ragged_kv: bool = False
+    # A second paged cache (FlashInfer's BatchPOD with separate prefill and decode caches,
+    # in one launch): requests [0, IParam.SECOND_CACHE_REQUESTS) of the plan read their
+    # K/V from it, through the same page table and page size; the others from the first.
+    second_cache: bool = False
     # Decode items copy K/V with an L2 evict-first policy (their rows are read once in the
     # launch), so that streaming them does not push out the K/V of the batch's prefill
     # requests, which each row tile of a request reads again (docs/notes/l2-hint.md,
@@ -250,6 +255,8 @@ class KernelConfig:
             return False, f"dtype {self.dtype} (supported: {SUPPORTED_DTYPES})"
         if self.group < 1:
             return False, f"group {self.group} must be >= 1"
+        if self.ragged_kv and self.second_cache:
+            return False, "one second K/V source: ragged_kv or second_cache, not both"
         # (combine_rounds splits a thread's O columns, D / 4 with 2 rows each in an m64
         # wgmma and an m16 mma.sync accumulator alike, into even chunks)
         o_cols = self.head_dim // 4
@@ -274,7 +281,8 @@ class KernelConfig:
 
     def with_flags(self, **flags) -> "KernelConfig":
         """The same tiling with other per-launch flags (what launch() specialises):
-        causal, has_lse, window, softcap, has_sinks, ragged_kv; None keeps a flag as it is."""
+        causal, has_lse, window, softcap, has_sinks, ragged_kv, second_cache; None keeps a
+        flag as it is."""
         allowed = ("causal", "has_lse", *FEATURES.values())
         unknown = set(flags) - set(allowed)
         if unknown:
@@ -289,15 +297,16 @@ class KernelConfig:
                causal: bool = True, has_lse: bool = False, page_size: int = 16,
                arch: str = "sm_90a", *, window: bool = False, softcap: bool = False,
                has_sinks: bool = False, kv_dtype: str = "",
-               ragged_kv: bool = False) -> "KernelConfig":
+               ragged_kv: bool = False, second_cache: bool = False) -> "KernelConfig":
         """The configuration podcute runs for these facts (raises ValueError if none).
         `kv_dtype`: "" for a cache in q's dtype, else its fp8 type (FP8_KV_DTYPES).
-        `ragged_kv`: the same tiling with the second K/V source (no fp8 cache)."""
-        if ragged_kv:
+        `ragged_kv`, `second_cache`: the same tiling with a second K/V source (no fp8
+        cache)."""
+        if ragged_kv or second_cache:
             return KernelConfig.select(
                 dtype, head_dim, group, causal, has_lse, page_size, arch, window=window,
                 softcap=softcap, has_sinks=has_sinks, kv_dtype=kv_dtype,
-            ).with_flags(ragged_kv=True)._checked()
+            ).with_flags(ragged_kv=ragged_kv, second_cache=second_cache)._checked()
         if head_dim not in SUPPORTED_HEAD_DIMS:
             raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
         if arch not in SUPPORTED_ARCHS:

@@ -71,6 +71,10 @@ class IParam(IntEnum):
     # planner folds causal into WINDOW_RIGHT (0).
     WINDOW_LEFT = 4
     WINDOW_RIGHT = 5
+    # A `second_cache` variant: requests [0, SECOND_CACHE_REQUESTS) read their K/V from
+    # the second paged cache (FlashInfer's BatchPOD with separate prefill and decode
+    # caches), the others from the first.
+    SECOND_CACHE_REQUESTS = 6
 
 
 NUM_FLOAT_PARAMS = 4

@@ -9,7 +9,7 @@ read and every loaded row holds finite values that the mask and P = 0 discard.
 Two ways to bring a tile in:
   * a cp.async row gather (`gather.RowGather`, both kernels): each thread resolves the
     pages of the rows it copies (`PagedKV.page`, looked up a tile ahead) and addresses
-    them with the token's slot (`PagedKV.slot`; `ragged_row` beside a ragged source);
+    them with the token's slot (`PagedKV.slot`; `source_row` beside a second source);
   * TMA boxes (the sm_90a kernel, pages of 16 tokens or more): a box of `kv_box` slots x
     one swizzle-atom column block lies inside one page of one head (`make_kv_tma_atoms`,
     `PagedKV.box`, `tma_kv_tiles`, `copy_kv_boxes`).
@@ -56,12 +56,16 @@ class PagedKV:
         """The slot of a token within its page (no page-table load)."""
         return layouts.split_token(token, self.page_divisor)[1]
 
-    def ragged_row(self, mKV: cute.Tensor, mKVRagged: Optional[cute.Tensor], ragged,
-                   page: Int32, token, kv_head: Int32) -> cute.Tensor:
-        """The (D,) row of a token whose page was looked up (`page`), or where `ragged` holds (a runtime choice; None: no ragged source) the
-        token's row of the ragged source, one page of the request's tokens."""
-        slot = layouts.ragged_locate(Int32(0), self.slot(token), token, ragged)[1]
-        return layouts.kv_row_in(mKV, mKVRagged, ragged, page, slot, kv_head)
+    def source_row(self, mKV: cute.Tensor, mKV2: Optional[cute.Tensor], second,
+                   ragged: bool, page: Int32, token, kv_head: Int32) -> cute.Tensor:
+        """The (D,) row of a token whose page was looked up (`page`), or where `second`
+        holds (a runtime choice; None: no second source) its row of the second source
+        `mKV2`: the ragged source (`ragged`, compile time: one page of the request's
+        tokens, slot = token) or a second paged cache (the same page and slot)."""
+        slot = self.slot(token)
+        if const_expr(ragged):
+            slot = layouts.ragged_locate(Int32(0), slot, token, second)[1]
+        return layouts.kv_row_in(mKV, mKV2, second, page, slot, kv_head)
 
     def box(self, item: WorkItem, lane_box: Int32, kv_box: int, ragged: bool,
             n_block: Int32):
@@ -75,12 +79,12 @@ class PagedKV:
 
 
 class KvTmaAtoms(NamedTuple):
-    """The TMA atoms of the cache's K and V (and of the ragged source's, or None)."""
+    """The TMA atoms of the cache's K and V (and of the second source's, or None)."""
 
     k: cute.CopyAtom
     v: cute.CopyAtom
-    k_ragged: Optional[cute.CopyAtom]
-    v_ragged: Optional[cute.CopyAtom]
+    k2: Optional[cute.CopyAtom]
+    v2: Optional[cute.CopyAtom]
 
     def prefetch(self):
         for atom in self:
@@ -88,8 +92,9 @@ class KvTmaAtoms(NamedTuple):
                 cpasync.prefetch_descriptor(atom)
 
 
-def make_kv_tma_atoms(io: PodTensors, box_layout, box: tuple, ragged_kv: bool):
-    """(KvTmaAtoms, `io` with K and V, and the ragged pair, as their TMA tensors) for
+def make_kv_tma_atoms(io: PodTensors, box_layout, box: tuple, second: bool):
+    """(KvTmaAtoms, `io` with K and V, and the second pair with `second`, as their TMA
+    tensors) for
     boxes of `box` = (slots, columns) over (slot, dim, kv_head, page): each box lies inside
     one page of one head and lands as a contiguous piece of a column block of a stage.
     (The ragged source is one page of kv_len slots: a box past its end is out of bounds on
@@ -102,12 +107,12 @@ def make_kv_tma_atoms(io: PodTensors, box_layout, box: tuple, ragged_kv: bool):
     atom_k, mK = atom(io.mK)
     atom_v, mV = atom(io.mV)
     atom_kr = atom_vr = None
-    mKRagged, mVRagged = io.mKRagged, io.mVRagged
-    if const_expr(ragged_kv):
-        atom_kr, mKRagged = atom(io.mKRagged)
-        atom_vr, mVRagged = atom(io.mVRagged)
+    mK2, mV2 = io.mK2, io.mV2
+    if const_expr(second):
+        atom_kr, mK2 = atom(io.mK2)
+        atom_vr, mV2 = atom(io.mV2)
     return (KvTmaAtoms(atom_k, atom_v, atom_kr, atom_vr),
-            io._replace(mK=mK, mV=mV, mKRagged=mKRagged, mVRagged=mVRagged))
+            io._replace(mK=mK, mV=mV, mK2=mK2, mV2=mV2))
 
 
 def tma_kv_tiles(tma_atom: cute.CopyAtom, mX_tma: cute.Tensor, sX: cute.Tensor,

@@ -108,13 +108,14 @@ class KvSource:
 
     mK: cute.Tensor
     mV: cute.Tensor
-    mKRagged: Optional[cute.Tensor]
-    mVRagged: Optional[cute.Tensor]
+    mK2: Optional[cute.Tensor]
+    mV2: Optional[cute.Tensor]
     sK: cute.Tensor  # (tile_n, D, stage)
     sV: cute.Tensor
     paged: PagedKV
     gather: RowGather
     pages: cute.Tensor
+    mIParams: cute.Tensor  # (a second_cache variant: which requests read the second)
     # copies under an L2 evict-first policy (`KernelConfig.decode_kv_evict_first`)
     evict_first: bool = False
 
@@ -243,8 +244,9 @@ class PodAttentionSm80(PodKernelBase):
         # Pages of this thread's K/V rows: the current tile's, looked up one tile ahead
         # (the page-table load's latency hides under the tile's S GEMM).
         pages = cute.make_rmem_tensor(kv_gather.rows_per_thread, Int32)
-        kv = KvSource(io.mK, io.mV, io.mKRagged, io.mVRagged, sK, sV,
-                      PagedKV.create(plan.mPageList, plan.page_shift, tile_n), kv_gather, pages)
+        kv = KvSource(io.mK, io.mV, io.mK2, io.mV2, sK, sV,
+                      PagedKV.create(plan.mPageList, plan.page_shift, tile_n), kv_gather, pages,
+                      plan.mIParams)
         # Decode items read their K/V rows once in the launch; a prefill request's K/V is
         # read by each of its row tiles.
         kv_once = dataclasses.replace(kv, evict_first=self.cfg.decode_kv_evict_first)
@@ -562,20 +564,21 @@ class PodAttentionSm80(PodKernelBase):
                 load_k: cutlass.Constexpr[bool], load_v: cutlass.Constexpr[bool]):
         """cp.async of the looked-up rows of K and/or V tile n_block into stage `stage`."""
         if const_expr(load_k):
-            self.copy_kv_tile(kv.mK, kv.mKRagged, kv.sK[None, None, stage], kv, item, n_block)
+            self.copy_kv_tile(kv.mK, kv.mK2, kv.sK[None, None, stage], kv, item, n_block)
         if const_expr(load_v):
-            self.copy_kv_tile(kv.mV, kv.mVRagged, kv.sV[None, None, stage], kv, item, n_block)
+            self.copy_kv_tile(kv.mV, kv.mV2, kv.sV[None, None, stage], kv, item, n_block)
 
     @cute.jit
-    def copy_kv_tile(self, mKV: cute.Tensor, mKVRagged: Optional[cute.Tensor],
+    def copy_kv_tile(self, mKV: cute.Tensor, mKV2: Optional[cute.Tensor],
                      sX: cute.Tensor, kv: "KvSource", item: WorkItem, n_block: Int32):
         """One K or V tile from the looked-up rows (of the cache, or of the ragged source
         for its request)."""
-        ragged = item.reads_ragged(self.cfg.ragged_kv)
+        second = item.reads_second(self.cfg, kv.mIParams)
 
         def row(m, r):
             token = kv.paged.token(item, n_block, kv.gather.row(m))
-            return kv.paged.ragged_row(mKV, mKVRagged, ragged, kv.pages[m], token, item.kv_head)
+            return kv.paged.source_row(mKV, mKV2, second, self.cfg.ragged_kv, kv.pages[m],
+                                       token, item.kv_head)
 
         kv.gather.copy_rows(sX, row, l2_evict_first_policy() if const_expr(kv.evict_first)
                             else None)

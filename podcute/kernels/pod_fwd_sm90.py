@@ -233,8 +233,8 @@ class PodAttentionSm90(PodKernelBase):
             return False, f"fp8 KV caches at head_dim {cfg.head_dim} (supported: {FP8_HEAD_DIMS})"
         if cfg.fp8 != (cfg.fp8_stages >= 2):
             return False, "an fp8 cache needs >= 2 fp8 staging stages, a 16-bit cache none"
-        if cfg.fp8 and cfg.ragged_kv:
-            return False, "a ragged K/V source needs a 16-bit cache (kv_dtype '')"
+        if cfg.fp8 and (cfg.ragged_kv or cfg.second_cache):
+            return False, "a second K/V source needs a 16-bit cache (kv_dtype '')"
         if cfg.tile_m_prefill != 64 * cfg.num_mma_warpgroups or cfg.tile_m_decode != 64:
             return False, "each MMA warpgroup owns 64 rows (one m64 wgmma)"
         if cfg.tile_n % 16 or cfg.tile_n > 256:
@@ -367,7 +367,8 @@ class PodAttentionSm90(PodKernelBase):
             box_layout = tile_smem_layout(self.kv_dtype, self.cfg.kv_box, self.box_cols)
             if const_expr(self.fp8 and not self.cfg.warp_decode):
                 box_layout = cute.make_layout(box, stride=(d, 1))
-            tma_atoms, io = make_kv_tma_atoms(io, box_layout, box, self.cfg.ragged_kv)
+            tma_atoms, io = make_kv_tma_atoms(io, box_layout, box,
+                                              self.cfg.ragged_kv or self.cfg.second_cache)
         self.kernel(
             io, plan, tma_atoms, tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sV_layout,
             s8_layout, scratch_layout,
@@ -625,9 +626,16 @@ class PodAttentionSm90(PodKernelBase):
                                                tma_atom_v=tma_atoms.v)
                         if const_expr(self.cfg.ragged_kv):
                             if item.req == layouts.RAGGED_REQUEST:
-                                tma(mK=io.mKRagged, mV=io.mVRagged,
-                                    tma_atom_k=tma_atoms.k_ragged,
-                                    tma_atom_v=tma_atoms.v_ragged, ragged=True)
+                                tma(mK=io.mK2, mV=io.mV2,
+                                    tma_atom_k=tma_atoms.k2,
+                                    tma_atom_v=tma_atoms.v2, ragged=True)
+                            else:
+                                self.copies_by_kind(paged_copies, item)
+                        elif const_expr(self.cfg.second_cache):
+                            if item.reads_second(self.cfg, plan.mIParams):
+                                self.copies_by_kind(
+                                    partial(tma, mK=io.mK2, mV=io.mV2, tma_atom_k=tma_atoms.k2,
+                                            tma_atom_v=tma_atoms.v2), item)
                             else:
                                 self.copies_by_kind(paged_copies, item)
                         else:
@@ -651,7 +659,12 @@ class PodAttentionSm90(PodKernelBase):
                 else:  # the whole warpgroup
                     if const_expr(self.cfg.ragged_kv):
                         if item.req == layouts.RAGGED_REQUEST:
-                            gather(mK=io.mKRagged, mV=io.mVRagged, ragged=True)
+                            gather(mK=io.mK2, mV=io.mV2, ragged=True)
+                        else:
+                            gather(mK=io.mK, mV=io.mV)
+                    elif const_expr(self.cfg.second_cache):
+                        if item.reads_second(self.cfg, plan.mIParams):
+                            gather(mK=io.mK2, mV=io.mV2)
                         else:
                             gather(mK=io.mK, mV=io.mV)
                     else:

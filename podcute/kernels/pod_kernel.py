@@ -63,7 +63,7 @@ class PodKernelBase:
         mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
         mLSE: Optional[cute.Tensor], mSinks: Optional[cute.Tensor],
         mKScale: Optional[cute.Tensor], mVScale: Optional[cute.Tensor],
-        mKRagged: Optional[cute.Tensor], mVRagged: Optional[cute.Tensor],
+        mK2: Optional[cute.Tensor], mV2: Optional[cute.Tensor],
         # PlanTensors, flattened
         mWork: cute.Tensor, mCtaPtr: cute.Tensor, mQStart: cute.Tensor, mKvLen: cute.Tensor,
         mPageStart: cute.Tensor, mPageList: cute.Tensor, mPartialO: cute.Tensor,
@@ -75,7 +75,7 @@ class PodKernelBase:
         """The compiled function: `(*PodTensors, *PlanTensors, num_ctas, stream)`, flat,
         as TVM-FFI passes torch tensors; bundled here once for everything below."""
         self.launch_kernel(
-            PodTensors(mQ, mK, mV, mO, mLSE, mSinks, mKScale, mVScale, mKRagged, mVRagged),
+            PodTensors(mQ, mK, mV, mO, mLSE, mSinks, mKScale, mVScale, mK2, mV2),
             PlanTensors(mWork, mCtaPtr, mQStart, mKvLen, mPageStart, mPageList, mPartialO,
                         mPartialLSE, mMerge, mSlotMerge, mMergeSem, mParams, mIParams,
                         page_shift),

@@ -3,11 +3,12 @@
 from dataclasses import dataclass
 
 import cutlass
+import cutlass.cute as cute
 from cutlass import Int32
 
 from podcute.layouts import RAGGED_REQUEST
 from podcute.kernels.args import PlanTensors
-from podcute.kernels.metadata import KIND_BITS, KIND_MASK, Kind, WorkCol
+from podcute.kernels.metadata import KIND_BITS, KIND_MASK, IParam, Kind, WorkCol
 from podcute.kernels.visibility import tile_bounds
 
 
@@ -56,6 +57,15 @@ class WorkItem:
         """Whether this item's K/V come from a `ragged_kv` variant's ragged source (its
         request layouts.RAGGED_REQUEST); None in a variant without one (compile time)."""
         return self.req == Int32(RAGGED_REQUEST) if ragged_kv else None
+
+    def reads_second(self, cfg, mIParams: cute.Tensor):
+        """Whether this item's K/V come from the variant's second source: the ragged
+        source (`ragged_kv`) or the second cache (`second_cache`: requests below
+        IParam.SECOND_CACHE_REQUESTS, a plan word); None in a variant without one
+        (compile time)."""
+        if cfg.second_cache:
+            return self.req < mIParams[IParam.SECOND_CACHE_REQUESTS]
+        return self.reads_ragged(cfg.ragged_kv)
 
     def tile_bounds(self, row_start, group: int, causal: bool, tile_n: int, right=0):
         """(n_min, n_max, mask_from) of this item's KV tiles for rows from `row_start`

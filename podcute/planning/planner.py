@@ -361,12 +361,14 @@ class Planner(WorkExpansion):
     def plan(self, cu_seqlens_q, kv_lens=None, *, block_table=None, kv_indptr=None,
              kv_indices=None, last_page_len=None, causal: bool = True,
              sm_scale: float | None = None, window_size=(-1, -1), softcap: float = 0.0,
-             batch_invariant: bool = False, _kv_name: str = "kv_lens") -> Plan:
+             batch_invariant: bool = False, _kv_name: str = "kv_lens",
+             _second_cache_requests: int = 0) -> Plan:
         """Plan one batch (see the module docstring). KV lengths come from `kv_lens` or,
         with CSR pages, from `last_page_len`: kv_len = (pages - 1) * page_size + last.
         `window_size`, `softcap`, `batch_invariant`: docs/contract.md (PlanOptions).
         Raises ValueError naming the argument for a bad value; `_kv_name` is what the
-        messages call kv_lens."""
+        messages call kv_lens. `_second_cache_requests` (podcute.compat's BatchPOD): the
+        requests [0, n) that read a second cache when run() is given one."""
         options = PlanOptions.make(causal, window_size, softcap, batch_invariant)
         if self.frozen:
             self._check_captured(options)
@@ -380,9 +382,14 @@ class Planner(WorkExpansion):
                              "softcap must be a normal float32 (>= 1.2e-38) and softcap at most "
                              "3.4e38 (the kernel's float32); use softcap=0 for no cap")
         cu, q_len, kvl, used, total_q, page_src, num_entries = inputs
+        n2 = _second_cache_requests
+        if isinstance(n2, bool) or not isinstance(n2, (int, np.integer)) or \
+                not 0 <= n2 <= q_len.size:
+            raise ValueError(f"_second_cache_requests must be an int in [0, batch size "
+                             f"{q_len.size}], got {n2!r}")
         self._ensure_capacity(q_len.size, total_q, num_entries)
         return self._build(cu, q_len, kvl, used, options, sm_scale, total_q, page_src,
-                           num_entries)
+                           num_entries, int(n2))
 
     def kernel_scale(self, sm_scale) -> float:
         """sm_scale as a float (default 1/sqrt(head_dim)); ValueError unless it is a
@@ -434,7 +441,7 @@ class Planner(WorkExpansion):
     # ---- work (the expansion itself: expand.WorkExpansion) ------------------------------
 
     def _build(self, cu, q_len, kvl, used, options, sm_scale, total_q, page_src,
-               num_entries) -> Plan:
+               num_entries, second_cache_requests: int = 0) -> Plan:
         """Copy and check the pages, expand the batch into work rows, CTA lists, split
         slots and merges (written into the staging buffers: native's C, else the numpy
         code of expand.py, which compute the same plan bit for bit), then write the rest of
@@ -456,6 +463,7 @@ class Planner(WorkExpansion):
             hs["params"][Param.SOFTCAP] = options.softcap
         hs["iparams"][IParam.WINDOW_LEFT] = left
         hs["iparams"][IParam.WINDOW_RIGHT] = right
+        hs["iparams"][IParam.SECOND_CACHE_REQUESTS] = second_cache_requests
         hs["cta_ptr"][:] = lay.ptr
         hs["q_start"][: B + 1] = cu
         hs["kv_len"][:B] = kvl
@@ -489,4 +497,5 @@ class Planner(WorkExpansion):
             max_page_index=max_page_index,
             buffer_epoch=self.buffer_epoch, summary=summary, kernel_args=self.kernel_args,
             q_lens=q_len, kv_lens=kvl, needed_pages=used, _pages=pages, _buffers=self._d,
-            _num_page_entries=num_entries, _costs=costs)
+            _num_page_entries=num_entries, _costs=costs,
+            second_cache_requests=second_cache_requests)

@@ -207,9 +207,16 @@ class Plan:
     # the planner's whole-buffer device views (name -> tensor) and this plan's page entries
     _buffers: dict = field(repr=False, default=None)
     _num_page_entries: int = field(repr=False, default=0)
-    # launch's compiled kernels of this plan, by its flags (lse | sinks << 1 | ragged << 2):
-    # a list index per run() instead of a dict lookup that hashes the whole configuration
-    _kernels: list = field(repr=False, default_factory=lambda: [None] * 8)
+    # Requests [0, this) read a second cache when run() is given one (a `second_cache`
+    # launch: FlashInfer's BatchPOD with separate caches); the plan word
+    # IParam.SECOND_CACHE_REQUESTS holds it.
+    second_cache_requests: int = 0
+    # the (first, second) cache page counts check_second_cache_pages last passed
+    _two_cache_pages: tuple = field(repr=False, default=None)
+    # launch's compiled kernels of this plan, by its flags (lse | sinks << 1 | ragged << 2
+    # | second cache << 3): a list index per run() instead of a dict lookup that hashes the
+    # whole configuration
+    _kernels: list = field(repr=False, default_factory=lambda: [None] * 16)
 
     @property
     def item_cost_us(self) -> np.ndarray:  # predicted time of each work row
@@ -274,3 +281,24 @@ class Plan:
             raise ValueError(f"{name}: request {b} reads page {page}, but the KV cache has only "
                              f"{num_pages} pages (k_cache.shape[0]); page indices must be in "
                              f"[0, {num_pages})")
+
+    def check_second_cache_pages(self, num_pages: int, num_pages2: int,
+                                 name: str = "block_table") -> None:
+        """check_pages of a run over two caches: requests [0, second_cache_requests) read
+        the second (num_pages2 pages), the others the first (num_pages). O(1) when plan()'s
+        bound shows every page fits both; else O(pages read), once per pair of counts."""
+        if self._two_cache_pages == (num_pages, num_pages2):
+            return
+        if not self.pages_within(min(num_pages, num_pages2)):
+            req, pages = self._pages._flat()
+            second = req < self.second_cache_requests
+            bad = (pages >= np.where(second, num_pages2, num_pages)).nonzero()[0]
+            if bad.size:
+                b, page = int(req[bad[0]]), int(pages[bad[0]])
+                which, n = (("the second cache", num_pages2) if second[bad[0]]
+                            else ("the first cache", num_pages))
+                raise ValueError(
+                    f"{name}: request {b} reads page {page}, but {which} (requests "
+                    f"{'<' if second[bad[0]] else '>='} {self.second_cache_requests} read it) "
+                    f"has only {n} pages; page indices must be in [0, {n})")
+        self._two_cache_pages = (num_pages, num_pages2)
