@@ -778,3 +778,29 @@ def test_second_cache_requests_word_and_page_checks():
     for bad in (-1, 4, 1.0, True):
         with pytest.raises(ValueError, match="_second_cache_requests"):
             p.plan(cu, kvl, block_table=bt, _second_cache_requests=bad)
+
+
+def test_pages_survive_a_batch_invariant_regrow():
+    # A batch-invariant layout that needs more split room regrows the buffers mid-plan
+    # (_grow_splits): the pages must be staged into the new page list, not the old one
+    # (a regression served page 0 for every request: another request's K/V).
+    hq, hkv, page = 32, 8, 16
+    q_lens = np.array([1, 300, 1500, 4, 1, 1, 3], np.int32)
+    kv_lens = np.array([30000, 300, 12000, 5000, 77, 19000, 8000], np.int32)
+    used = (kv_lens + page - 1) // page
+    perm = np.random.default_rng(0).permutation(int(used.sum())).astype(np.int32)
+    table = np.zeros((q_lens.size, used.max()), np.int32)
+    starts = np.concatenate([[0], np.cumsum(used)])
+    for i, n in enumerate(used):
+        table[i, :n] = perm[starts[i]: starts[i] + n]
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    p = Planner(hq, hkv, 128, page, device="cpu", max_batch_size=64, max_num_tokens=32768,
+                num_sms=7)
+    epoch = p.buffer_epoch
+    plan = p.plan(cu, kv_lens, block_table=table, window_size=(4096, 0),
+                  batch_invariant=True)
+    assert p.buffer_epoch > epoch  # (the case: the split room grew during this plan)
+    pl, ps = plan.page_list.numpy(), plan.page_start.numpy()
+    for i, n in enumerate(used):
+        assert (pl[ps[i]: ps[i] + n] == table[i, :n]).all(), f"request {i}'s pages"
+    assert plan.max_page_index == perm.max()

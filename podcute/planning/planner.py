@@ -442,18 +442,21 @@ class Planner(WorkExpansion):
 
     def _build(self, cu, q_len, kvl, used, options, sm_scale, total_q, page_src,
                num_entries, second_cache_requests: int = 0) -> Plan:
-        """Copy and check the pages, expand the batch into work rows, CTA lists, split
-        slots and merges (written into the staging buffers: native's C, else the numpy
-        code of expand.py, which compute the same plan bit for bit), then write the rest of
-        the metadata and make the Plan."""
+        """Expand the batch into work rows, CTA lists, split slots and merges (written into
+        the staging buffers: native's C, else the numpy code of expand.py, which compute
+        the same plan bit for bit), copy and check the pages, then write the rest of the
+        metadata and make the Plan."""
         self._sync_staging()
-        page_start, pages, max_page_index = self._stage_pages(page_src, num_entries, used)
         self._tiling = self._choose_tiling(q_len, options)
         lay = None
         if self._native is not None:
             lay = self._native.build(self, q_len, kvl, options)
         if lay is None:  # (no C compiler, or a capacity the numpy path grows or reports)
             lay = self._layout_numpy(q_len, kvl, options)
+        # The pages only now: a batch-invariant layout may regrow the buffers
+        # (_grow_splits), and pages staged before it would stay in the old ones while the
+        # kernel read the new, zeroed list.
+        page_start, pages, max_page_index = self._stage_pages(page_src, num_entries, used)
         cfg, grid, B = self.config, self.grid, q_len.size
         left, right = options.window_left, options.right
         hs = self._h
