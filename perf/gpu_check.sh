@@ -18,7 +18,10 @@
 # Installs podcute, loads the kernel cache carried in .device/pcache (perf/warm_cache.py
 # fills it on a CPU machine), runs the steps in order (each under a timeout), and writes
 # logs and JSON under $OUT. Env: PODCUTE_GPU_RANDOM (kernel sweep size, default 200),
-# PODCUTE_GRAPH_PAIRS (default 60), BENCH_ARGS (extra perf.bench arguments), DEADLINE_S
+# PODCUTE_GRAPH_PAIRS (default 60), BENCH_ARGS (extra perf.bench arguments), WARM_ARGS
+# (extra perf.warm_cache arguments, e.g. "--only 16bit"), KERNEL_K (the kernel step's
+# pytest -k expression, e.g. "invariant or random_mixed"), SANITIZE_ARGS (of the racecheck step,
+# e.g. '--case "p16 mixed"'), AB_ROUNDS (new/base rounds of ab, default 2), DEADLINE_S
 # (seconds for all steps; later steps are cut short or skipped; default 560, inside a
 # device call's 600), PYTEST_ADDOPTS (e.g. a per-test --timeout, so a hung launch fails
 # its test instead of the whole step), PODCUTE_TEST_DECODE_EVICT_FIRST=0 / 1 (every step's
@@ -75,7 +78,7 @@ step() {  # step NAME SECONDS CMD...: run, log, record the exit code
 for s in "$@"; do
   case $s in
     demo) step demo 120 python -m podcute demo || break ;;
-    warm) step warm 300 python -m perf.warm_cache -j "$(nproc)" ;;  # compile here instead
+    warm) step warm 300 python -m perf.warm_cache -j "$(nproc)" ${WARM_ARGS:-} ;;  # compile here
     warm-fp8) step warm-fp8 300 python -m perf.warm_cache --only fp8 -j "$(nproc)" ;;
     # the portable (mma.sync) kernel compiled for plain sm_90, forced by PODCUTE_ARCH
     warm-portable) step warm-portable 300 env PODCUTE_ARCH=sm_90 \
@@ -97,7 +100,7 @@ for s in "$@"; do
         else
           ab_cmd=${AB_CMD:-perf.bench --quick --only M1,D1,F1 --pages 16}
         fi
-        for r in 1 2; do
+        for r in $(seq "${AB_ROUNDS:-2}"); do
           step $s-new$r 200 python -m $ab_cmd --out "$OUT/$s-new$r"
           step $s-base$r 200 env -C .device/base PYTHONPATH=$PWD/.device/base:${PYTHONPATH:-} \
               python -m $ab_cmd --out "$OUT/$s-base$r"
@@ -119,7 +122,7 @@ for s in "$@"; do
     features) step features 500 env PODCUTE_GPU_REPORT="$OUT/features_report.json" \
         python -m pytest -q -x -m gpu tests/test_kernel_gpu.py -k "feature or invariant or nothing" ;;
     kernel) step kernel 420 env PODCUTE_GPU_REPORT="$OUT/kernel_report.json" \
-        python -m pytest -q -x -m gpu tests/test_kernel_gpu.py ;;
+        python -m pytest -q -x -m gpu tests/test_kernel_gpu.py ${KERNEL_K:+-k "$KERNEL_K"} ;;
     graph) step graph 300 env PODCUTE_GPU_REPORT="$OUT/graph_report.json" \
         python -m pytest -q -x -m gpu tests/test_graph_gpu.py ;;
     compat) step compat 300 python -m pytest -q -m gpu tests/test_compat_flash_attn_gpu.py \
@@ -130,7 +133,7 @@ for s in "$@"; do
     memcheck) step memcheck 300 compute-sanitizer --tool memcheck --error-exitcode 3 \
         python tests/gpu_sanitize.py ;;
     racecheck) step racecheck 400 compute-sanitizer --tool racecheck --error-exitcode 3 \
-        python tests/gpu_sanitize.py --small ;;
+        python tests/gpu_sanitize.py --small ${SANITIZE_ARGS:-} ;;
     synccheck) step synccheck 300 compute-sanitizer --tool synccheck --error-exitcode 3 \
         python tests/gpu_sanitize.py --small ;;
     quick-bench) step quick-bench 400 python -m perf.bench --quick --no-sweep \

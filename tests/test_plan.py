@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from podcute.kernels.config import SUPPORTED_PAGE_SIZES, KernelConfig
 from podcute.kernels.metadata import KIND_BITS, KIND_MASK, Kind, MergeCol, WorkCol
 from podcute.planning import (DEFAULT_COST_MODEL, H100_HBM_BYTES_PER_SM_CLOCK as H100_HBM,
-                              H200_HBM_BYTES_PER_SM_CLOCK, CapacityError, CostModel, Planner,
-                              PlanSummary, capacities, chip_hbm_bytes_per_sm_clock)
+                              H200_HBM_BYTES_PER_SM_CLOCK, CapacityError, CostModel, PlanBuffers,
+                              Planner, PlanSummary, capacities, chip_hbm_bytes_per_sm_clock)
 
 KIND_PREFILL, KIND_DECODE = int(Kind.PREFILL), int(Kind.DECODE)
 
@@ -801,6 +801,9 @@ def test_pages_survive_a_batch_invariant_regrow():
                   batch_invariant=True)
     assert p.buffer_epoch > epoch  # (the case: the split room grew during this plan)
     pl, ps = plan.page_list.numpy(), plan.page_start.numpy()
+    # (the list the kernel is given is the one checked and read here)
+    assert plan.kernel_args[PlanBuffers._fields.index("mPageList")].data_ptr() == \
+        plan.page_list.data_ptr()
     for i, n in enumerate(used):
         assert (pl[ps[i]: ps[i] + n] == table[i, :n]).all(), f"request {i}'s pages"
     assert plan.max_page_index == perm.max()
