@@ -484,3 +484,32 @@ def test_run_of_a_portable_plan_without_its_gpu_raises_clearly():
     k = torch.randn(3, PS, HKV, D, dtype=torch.bfloat16)
     with raises(RuntimeError, "podcute needs an NVIDIA GPU it has a kernel for", "found"):
         a.run(q, k, k.clone())
+
+
+def test_second_cache_run_checks(launches):
+    # run(_second_cache=(k2, v2)) (podcute.compat's BatchPOD): the second cache gets run()'s
+    # checks under its own name, each request's pages are checked against its own cache,
+    # lse may overlap neither cache, and fp8 PODAttentions have no second-cache variant.
+    g = good()
+    a = attn()
+    a.plan(g["cu"], g["kvl"], block_table=g["bt"], _second_cache_requests=1)
+    k2, v2 = torch.randn(3, PS, HKV, D, dtype=torch.bfloat16), torch.randn(3, PS, HKV, D,
+                                                                         dtype=torch.bfloat16)
+    a.run(g["q"], g["k"], g["v"], _second_cache=(k2, v2))  # request 0: pages 0-2 of k2
+    assert launches[-1][6]["second_cache"] == (k2, v2)
+    with raises(ValueError, "request 0", "page 2", "second cache", "only 2 pages"):
+        a.run(g["q"], g["k"], g["v"], _second_cache=(k2[:2], v2[:2]))
+    with raises(ValueError, "request 1", "page 4", "first cache", "only 4 pages"):
+        a.run(g["q"], g["k"][:4], g["v"][:4], _second_cache=(k2, v2))
+    with raises(TypeError, "the second k cache"):
+        a.run(g["q"], g["k"], g["v"], _second_cache=(k2.half(), v2.half()))
+    with raises(TypeError, "_second_cache", "tuple"):
+        a.run(g["q"], g["k"], g["v"], _second_cache=[k2, v2])
+    lse = k2.view(torch.float32).view(-1)[: 21 * HQ].view(21, HQ)
+    with raises(ValueError, "lse overlaps", "k_cache"):
+        a.run(g["q"], g["k"], g["v"], lse=lse, _second_cache=(k2, v2))
+    fp8 = attn(kv_dtype=torch.float8_e4m3fn)
+    fp8.plan(g["cu"], g["kvl"], block_table=g["bt"], _second_cache_requests=1)
+    k8 = g["k"].to(torch.float8_e4m3fn)
+    with raises(ValueError, "second cache", "16-bit"):
+        fp8.run(g["q"], k8, k8, _second_cache=(k8, k8))
