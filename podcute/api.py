@@ -348,9 +348,7 @@ class PODAttention:
         `plan` (the one-shot entry points call it after their own _common_case): the
         optional tensors' checks, then the launch."""
         if lse is not None:
-            self._check_lse(lse, q, k_cache, v_cache, out)
-            if _second_cache is not None:
-                self._check_lse(lse, q, *_second_cache, out)
+            self._check_lse(lse, q, k_cache, v_cache, out, _second_cache)
             return_lse = True
         if sinks is not None:
             self._check_sinks(sinks, q)
@@ -425,9 +423,9 @@ class PODAttention:
             raise ValueError(f"sinks must be 4-byte aligned, got data pointer "
                              f"{sinks.data_ptr():#x}")
 
-    def _check_lse(self, lse, q, k_cache, v_cache, out) -> None:
+    def _check_lse(self, lse, q, k_cache, v_cache, out, second_cache=None) -> None:
         """A caller-given lse: float32 [q.shape[0], Hq] on q's device, distinct elements,
-        not overlapping what the kernel reads or writes."""
+        not overlapping what the kernel reads or writes (the second cache's too)."""
         check_dense("lse", lse)
         if lse.dtype != torch.float32:
             raise TypeError(f"lse must be float32, got {lse.dtype}")
@@ -440,6 +438,9 @@ class PODAttention:
         if lse.data_ptr() % 4:
             raise ValueError(f"lse must be 4-byte aligned, got data pointer {lse.data_ptr():#x}")
         named = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
+        if second_cache is not None:
+            named += [("the second k cache", second_cache[0]),
+                      ("the second v cache", second_cache[1])]
         if out is not None:
             named.append(("out", out))
         check_distinct(lse, "lse")

@@ -506,7 +506,7 @@ def test_second_cache_run_checks(launches):
     with raises(TypeError, "_second_cache", "tuple"):
         a.run(g["q"], g["k"], g["v"], _second_cache=[k2, v2])
     lse = k2.view(torch.float32).view(-1)[: 21 * HQ].view(21, HQ)
-    with raises(ValueError, "lse overlaps", "k_cache"):
+    with raises(ValueError, "lse overlaps", "the second k cache"):
         a.run(g["q"], g["k"], g["v"], lse=lse, _second_cache=(k2, v2))
     fp8 = attn(kv_dtype=torch.float8_e4m3fn)
     fp8.plan(g["cu"], g["kvl"], block_table=g["bt"], _second_cache_requests=1)

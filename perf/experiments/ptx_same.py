@@ -39,6 +39,8 @@ VARIANTS = {
     "fp8_box": (("bfloat16", 96, 1, False, False, 16), {"kv_dtype": "float8_e5m2"}),
     "fp8_gather": (("float16", 128, 8, True, True, 1),
                    {"kv_dtype": "float8_e4m3fn", "window": True}),
+    "cache2": (("bfloat16", 128, 4, True, True, 128), {"second_cache": True}),
+    "cache2_gather": (("float16", 64, 8, False, True, 1), {"second_cache": True}),
     "sm80": (("bfloat16", 128, 4, True, True, 16, "sm_80"), {}),
     "sm86": (("float16", 64, 1, False, True, 8, "sm_86"), {}),
     "sm90_portable": (("bfloat16", 128, 4, True, True, 16, "sm_90"),

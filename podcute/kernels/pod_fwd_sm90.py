@@ -620,20 +620,13 @@ class PodAttentionSm90(PodKernelBase):
                         tma = partial(self.produce_kv_tma, paged=paged, sK=sK_in, sV=sV_in,
                                       pipeline_k=pipe_k_in, pipeline_v=pipe_v_in,
                                       kv_count=kv_count, item=item, n_min=n_min, n_max=n_max)
-                        # The ragged source's item takes its own copy of the loop: a runtime
+                        # The second source's item takes its own copy of the loop: a runtime
                         # choice inside it would cost the 24-register producer spills.
                         paged_copies = partial(tma, mK=io.mK, mV=io.mV, tma_atom_k=tma_atoms.k,
                                                tma_atom_v=tma_atoms.v)
-                        if const_expr(self.cfg.ragged_kv):
-                            if item.req == layouts.RAGGED_REQUEST:
-                                tma(mK=io.mK2, mV=io.mV2,
-                                    tma_atom_k=tma_atoms.k2,
-                                    tma_atom_v=tma_atoms.v2, ragged=True)
-                            else:
-                                self.copies_by_kind(paged_copies, item)
-                        elif const_expr(self.cfg.second_cache):
+                        if const_expr(self.cfg.ragged_kv or self.cfg.second_cache):
                             if item.reads_second(self.cfg, plan.mIParams):
-                                self.copies_by_kind(
+                                self.second_source_copies(
                                     partial(tma, mK=io.mK2, mV=io.mV2, tma_atom_k=tma_atoms.k2,
                                             tma_atom_v=tma_atoms.v2), item)
                             else:
@@ -657,14 +650,9 @@ class PodAttentionSm90(PodKernelBase):
                     else:
                         convert()
                 else:  # the whole warpgroup
-                    if const_expr(self.cfg.ragged_kv):
-                        if item.req == layouts.RAGGED_REQUEST:
-                            gather(mK=io.mK2, mV=io.mV2, ragged=True)
-                        else:
-                            gather(mK=io.mK, mV=io.mV)
-                    elif const_expr(self.cfg.second_cache):
+                    if const_expr(self.cfg.ragged_kv or self.cfg.second_cache):
                         if item.reads_second(self.cfg, plan.mIParams):
-                            gather(mK=io.mK2, mV=io.mV2)
+                            gather(mK=io.mK2, mV=io.mV2, ragged=self.cfg.ragged_kv)
                         else:
                             gather(mK=io.mK, mV=io.mV)
                     else:
@@ -685,6 +673,16 @@ class PodAttentionSm90(PodKernelBase):
                 copy_kv()
         else:
             copy_kv()
+
+    @cute.jit
+    def second_source_copies(self, copy_kv, item: WorkItem):
+        """`copy_kv` over the second K/V source: the ragged one (no page table; its item is
+        the legacy wrapper's prefill, so no L2 policy) or a second cache (copied as the
+        first, `copies_by_kind`)."""
+        if const_expr(self.cfg.ragged_kv):
+            copy_kv(ragged=True)
+        else:
+            self.copies_by_kind(copy_kv, item)
 
     @property
     def copy_stages(self) -> int:
