@@ -88,6 +88,11 @@ def _warm(args) -> int:
         cfgs += [select(**kw) for kw in fp8_test_variants()]
         cfgs += [select("bfloat16", 128, 4, True, False, page, kv_dtype=kv)
                  for page in (16, 128) for kv in ("", "float8_e4m3fn")]
+        # gpu_sanitize.py --fp8's D 256 cases; perf.bench_fp8's D 256 rows
+        cfgs += [select("bfloat16", 256, 8, False, True, 4, kv_dtype="float8_e5m2"),
+                 select("bfloat16", 256, 4, True, True, 16, kv_dtype="float8_e4m3fn")]
+        cfgs += [select("bfloat16", 256, 2, True, False, page, kv_dtype=kv)
+                 for page in (16, 128) for kv in ("", "float8_e4m3fn")]
     keys = [VariantKey.make(c) for c in cfgs if c is not None]
     keys = list(dict.fromkeys(keys))
     print(f"{len(keys)} distinct variants", flush=True)

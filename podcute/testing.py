@@ -421,11 +421,16 @@ FP8_CASES = [
     dict(window_size=(128, 0), softcap=30.0, sinks=True),
     dict(causal=False, window_size=(100, 50), page=128, sinks=True),
     dict(softcap=20.0, page=1, d=96),
+    # head dim 256 (32-token tiles, Q converted in shared memory): every page class
+    dict(d=256), dict(d=256, page=1, dtype=torch.float16), dict(d=256, page=128, kv="e5m2"),
+    dict(d=256, page=32, hq=16, hkv=2, window_size=(96, 0), softcap=30.0, sinks=True),
+    dict(d=256, page=4, layout="HND", fmt="csr", scale="float"),
 ]
 # Long decodes and a long prefill: split KV and its in-kernel merge (scales per item).
 FP8_SPLIT_CASES = [dict(), dict(page=128, scale="float"), dict(page=1, dtype=torch.float16),
-                   dict(d=96, kv="e5m2", sinks=True), dict(d=64, page=64, scale="tensor")]
-FP8_RANDOM_SHAPES = dict(heads=[(8, 2), (32, 4)], head_dims=[64, 96, 128],
+                   dict(d=96, kv="e5m2", sinks=True), dict(d=64, page=64, scale="tensor"),
+                   dict(d=256, page=16), dict(d=256, page=1, kv="e5m2")]
+FP8_RANDOM_SHAPES = dict(heads=[(8, 2), (32, 4)], head_dims=[64, 96, 128, 256],
                          pages=[1, 16, 128])
 
 

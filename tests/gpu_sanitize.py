@@ -174,6 +174,11 @@ def main_fp8(small: bool, only: str = "") -> int:
         # fp8 variants have their own warp roles and stage counts)
         ("fp8 e4m3 handover after prefill p16", 32, 4, 128, 16, "table", True,
          torch.float8_e4m3fn, True, handover_lengths(16 // s, 128 // s, 8)),
+        # D 256: one producer warpgroup, Q converted in shared memory, 32-token tiles
+        ("fp8 e4m3 p16 D256 mixed+splits", 8, 2, 256, 16, "table", True,
+         torch.float8_e4m3fn, True, mixed),
+        ("fp8 e5m2 p4 D256 gather", 8, 1, 256, 4, "csr", False, torch.float8_e5m2, False,
+         ([1, 70 // s, 3], [2000 // s, 300, 33])),
     ]
     ok = True
     for name, hq, hkv, d, page, fmt, causal, kv, per_head, (ql, kl) in cases:

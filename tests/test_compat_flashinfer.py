@@ -656,11 +656,11 @@ def test_fp8_plans_select_fp8_variants(kv_data_type):
         assert attn.current_plan is not None
 
 
-def test_fp8_plan_refuses_head_dim_256_by_flashinfer_name():
-    with raises(NotImplementedError, "head_dim", "256"):
-        BatchPODWithPagedKVCacheWrapper(workspace()).plan(
-            **PREFILL, **DECODE, **{**HEADS, "head_dim": 256}, q_data_type=BF16,
-            kv_data_type=E4M3)
+def test_fp8_plan_takes_head_dim_256():
+    w = BatchPODWithPagedKVCacheWrapper(workspace())
+    w.plan(**PREFILL, **DECODE, **{**HEADS, "head_dim": 256}, q_data_type=BF16,
+           kv_data_type=E4M3)
+    assert w._attn.fp8 and w._attn.planner.config.kernel.head_dim == 256
 
 
 @pytest.mark.parametrize("scale", [0.5, torch.tensor(0.5), torch.full((HKV,), 0.25), None])

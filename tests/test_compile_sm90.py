@@ -83,7 +83,7 @@ def _assert_no_spills(log, variants: int):
 
 
 FP8_ARGS = ["--kv-dtypes", "float8_e4m3fn,float8_e5m2", "--features", "window+softcap+sinks",
-            "--head-dims", "64,96,128", "--groups", "4", "--dtypes", ",".join(BOTH)]
+            "--head-dims", "64,96,128,256", "--groups", "4", "--dtypes", ",".join(BOTH)]
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +98,7 @@ def fp8_log():
 def test_fp8_variants_compile_without_spills(fp8_log):
     assert fp8_log.returncode == 0, fp8_log.stdout[-3000:] + fp8_log.stderr[-3000:]
     lines = [l for l in fp8_log.stdout.splitlines() if l.startswith("[")]
-    want = shipped_variants(head_dims=(64, 96, 128), groups=(4,),
+    want = shipped_variants(head_dims=(64, 96, 128, 256), groups=(4,),
                             features=("window+softcap+sinks",),
                             kv_dtypes=("float8_e4m3fn", "float8_e5m2"), dtypes=BOTH)
     assert len(lines) == len(want) and all(" kv=float8_" in l for l in lines)

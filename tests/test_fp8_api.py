@@ -34,8 +34,9 @@ def fp8_planned(layout="NHD", kv=E4M3):
 @pytest.mark.parametrize("d", FP8_HEAD_DIMS)
 def test_fp8_config(page, d):
     cfg = KernelConfig.select("bfloat16", d, 4, page_size=page, kv_dtype="float8_e4m3fn")
-    assert cfg.fp8 and cfg.tile_n == 64 and cfg.num_stages == 2 and cfg.fp8_stages >= 4
-    assert cfg.kv_box == (64 if page % 64 == 0 else 16 if page % 16 == 0 else 0)
+    tile = 32 if d == 256 else 64
+    assert cfg.fp8 and cfg.tile_n == tile and cfg.num_stages == 2 and cfg.fp8_stages >= 4
+    assert cfg.kv_box == (tile if page % tile == 0 else 16 if page % 16 == 0 else 0)
     assert cfg.can_implement() == (True, "")
     plain = KernelConfig.select("bfloat16", d, 4, page_size=page)
     assert VariantKey.make(cfg) != VariantKey.make(plain)  # the key carries the KV dtype
@@ -43,9 +44,22 @@ def test_fp8_config(page, d):
     assert VariantKey.make(e5m2) != VariantKey.make(cfg)
 
 
+def test_fp8_at_head_dim_256_converts_q_in_shared_memory():
+    # D 256: Q's 64 registers beside O's 128 do not fit, so Q stays in shared memory
+    # (converted to fp16 there); 32-token tiles make room for the fp8 staging; one producer
+    # warpgroup, because the m64n256 P V wgmma needs more registers than 512 threads give.
+    for page in (1, 4, 16, 32, 128):
+        for dtype in ("bfloat16", "float16"):
+            c = KernelConfig.select(dtype, 256, 4, page_size=page, kv_dtype="float8_e5m2")
+            assert c.can_implement() == (True, "")
+            assert not c.q_in_registers and c.tile_n == 32 and c.fp8_stages >= 2
+            assert c.num_producer_warpgroups == 1 and c.launch_regs() >= 158
+            assert c.mma_dtype == "float16" and c.combine_rounds == 4 and not c.o_staging
+    for d in (64, 96, 128):
+        assert KernelConfig.select("bfloat16", d, 4, kv_dtype="float8_e4m3fn").q_in_registers
+
+
 def test_fp8_config_refusals():
-    with raises(NotImplementedError, "head_dim", "fp8"):
-        KernelConfig.select("bfloat16", 256, 4, kv_dtype="float8_e4m3fn")
     with raises(ValueError, "kv_dtype"):
         KernelConfig.select("bfloat16", 128, 4, kv_dtype="int8")
 
@@ -60,7 +74,7 @@ def test_setmaxnreg_split_must_fit_the_launch_registers():
     assert not ok and "setmaxnreg" in why
     for page in (1, 16, 128):
         for d, kv in ((64, ""), (96, ""), (128, ""), (256, ""), (64, "float8_e4m3fn"),
-                      (96, "float8_e5m2"), (128, "float8_e4m3fn")):
+                      (96, "float8_e5m2"), (128, "float8_e4m3fn"), (256, "float8_e4m3fn")):
             c = KernelConfig.select("float16", d, 8, page_size=page, kv_dtype=kv)
             slots = c.num_producer_warpgroups + c.num_mma_warpgroups
             assert (c.num_producer_warpgroups * c.producer_regs + 2 * c.mma_regs
@@ -73,8 +87,8 @@ def test_constructor_kv_dtype_errors():
         PODAttention(HQ, HKV, D, PS, device="cpu", kv_dtype=torch.float32)
     with raises(TypeError, "kv_dtype"):
         PODAttention(HQ, HKV, D, PS, device="cpu", kv_dtype=torch.float16)  # not q's dtype
-    with raises(NotImplementedError, "head_dim", "fp8"):
-        PODAttention(HQ, HKV, 256, PS, device="cpu", kv_dtype=E4M3)
+    wide = PODAttention(HQ, HKV, 256, PS, device="cpu", kv_dtype=E4M3)
+    assert wide.fp8 and wide.planner.config.kernel.head_dim == 256
     a = PODAttention(HQ, HKV, D, PS, device="cpu", kv_dtype=torch.bfloat16)  # q's dtype
     assert not a.fp8 and a.planner.config.kernel.kv_dtype == ""
     b = PODAttention(HQ, HKV, D, PS, device="cpu", kv_dtype=E4M3)
@@ -154,7 +168,7 @@ def test_one_shot_fp8_errors():
         pod_attention(g["q"], g["k"], g["v"], v_scale=-2.0, **kw)
     q = torch.randn(21, HQ, 256, dtype=torch.bfloat16)
     k = torch.zeros(8, PS, HKV, 256, dtype=E4M3)
-    with raises(NotImplementedError, "head_dim", "fp8"):
+    with raises(RuntimeError, "Hopper"):  # D 256 is served: checked, then the device check
         pod_attention(q, k, k, **kw)
     assert I32  # (shared fixtures)
 
@@ -174,12 +188,13 @@ def test_flash_attn_compat_takes_fp8_caches():
 
 
 def test_producer_roles_of_fp8_variants_are_disjoint():
-    # The copy warp(s), the two converter groups and the Q warps of every fp8 variant fit
-    # in its producer warpgroups without sharing a warp (Q's loaders may be the gather's
-    # warpgroup, whose cp.async loaders and first converters also load Q), and each
-    # converter group owns the 16-bit stages of one parity.
+    # The copy warp(s), the converter groups and the Q warps of every fp8 variant fit in
+    # its producer warpgroups without sharing a warp (Q's loaders may be the gather's
+    # warpgroup, whose cp.async loaders and first converters also load Q, or at D 256 the
+    # TMA warp), and each converter group owns the 16-bit stages of one parity.
     for page in (1, 8, 16, 64, 128):
-        for d, kv in ((64, "float8_e4m3fn"), (96, "float8_e5m2"), (128, "float8_e4m3fn")):
+        for d, kv in ((64, "float8_e4m3fn"), (96, "float8_e5m2"), (128, "float8_e4m3fn"),
+                      (256, "float8_e4m3fn")):
             c = KernelConfig.select("bfloat16", d, 4, page_size=page, kv_dtype=kv)
             ok, why = c.can_implement()
             assert ok, why
@@ -192,9 +207,12 @@ def test_producer_roles_of_fp8_variants_are_disjoint():
             q = set(range(first_q, first_q + q_warps))
             producer_warps = set(range(c.num_producer_threads // 32))
             assert copy_warps | set().union(*groups) | q <= producer_warps
-            assert not groups[0] & groups[1] and not copy_warps & set().union(*groups)
-            if c.tma_kv:  # one TMA warp, and Q by a warp of its own
-                assert copy_warps == {0} and not q & (copy_warps | set().union(*groups))
+            assert not set.intersection(*groups) or len(groups) == 1
+            assert not copy_warps & set().union(*groups)
+            assert roles.converter_groups == c.num_producer_warpgroups
+            if c.tma_kv:  # one TMA warp, and Q by a warp of its own unless there is none
+                assert copy_warps == {0} and not q & set().union(*groups)
+                assert (q == {0}) == (c.num_producer_warpgroups == 1)
             assert c.num_stages % roles.converter_groups == 0
             assert roles.num_converters == roles.converter_groups * CONVERTER_GROUP_THREADS
 

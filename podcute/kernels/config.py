@@ -35,10 +35,9 @@ WIDE_PREFILL_ARCHS = ("sm_90",)
 WARP_HEAD_DIMS = (64, 96, 128)
 SUPPORTED_DTYPES = ("bfloat16", "float16")
 # KV cache element types besides q's own: fp8 caches are dequantised in shared memory to
-# q's dtype (kv_dtype "" means the cache is in q's dtype). D 256 has no fp8 variant: its
-# 16-bit stages alone take the shared memory the fp8 staging would need.
+# fp16, the MMAs' type (kv_dtype "" means the cache is in q's dtype).
 FP8_KV_DTYPES = ("float8_e4m3fn", "float8_e5m2")
-FP8_HEAD_DIMS = (64, 96, 128)
+FP8_HEAD_DIMS = (64, 96, 128, 256)
 
 
 def check_fp8_kv(head_dim: int, kv_dtype: str) -> None:
@@ -181,8 +180,11 @@ class KernelConfig:
         64-token tile moves. The two-stage warp-level kernel too (each warp loads its 16
         rows' fragments at an item's first tile): every warp of it reads a tile's whole
         K and V, so Q is 16 of the 176 KB of shared memory a 64-token tile costs a CTA,
-        and the registers it takes are those the two-stage loop freed."""
-        return self.fp8 or (self.warp_mma and self.num_stages > 1)
+        and the registers it takes are those the two-stage loop freed. Not fp8 at D 256:
+        there Q's 64 registers beside O's 128 exceed what a thread has; its MMA
+        warpgroups convert their Q rows to fp16 in shared memory instead
+        (`dequant.q_tile_to_fp16`) and read them there."""
+        return (self.fp8 and self.head_dim <= 128) or (self.warp_mma and self.num_stages > 1)
 
     @property
     def warp_mma(self) -> bool:
@@ -192,11 +194,14 @@ class KernelConfig:
 
     @property
     def num_producer_warpgroups(self) -> int:
-        """Producer warpgroups: an fp8 variant's converters need a second; the warp-level
-        kernel has none."""
+        """Producer warpgroups: an fp8 variant's second converter group needs a second,
+        except at D 256, whose m64n256 P V wgmma takes 158 registers: ptxas compiles the
+        whole kernel under the launch cap (128 a thread at 512 threads; setmaxnreg does
+        not lift it), so D 256 keeps 384 threads (168) and one converter group. The
+        warp-level kernel has none."""
         if self.warp_mma:
             return 0
-        return 2 if self.fp8 else 1
+        return 2 if self.fp8 and self.head_dim <= 128 else 1
 
     @property
     def num_producer_threads(self) -> int:
@@ -380,14 +385,23 @@ class KernelConfig:
         Q's fragments (`q_in_registers`, 32 registers) beside O, S and P, and spilled at
         192 with them (0 spills at 200)."""
         check_fp8_kv(head_dim, kv_dtype)
-        tile_n = 64
+        wide = head_dim > 128
+        # D 256 (`q_in_registers` off: Q 64 KB in shared memory): 32-token tiles, so that
+        # two 16-bit stages (64 KB) and the fp8 staging fit beside Q; one producer
+        # warpgroup (`num_producer_warpgroups`): 56 registers beside TMA (40 spilled 56
+        # bytes), 72 beside the gather (56 spilled 4); the MMA warpgroups the rest.
+        tile_n = 32 if wide else 64
         kv_box = tile_n if page_size % tile_n == 0 else 16 if page_size % 16 == 0 else 0
+        producer_regs, mma_regs = 56, 200
+        if wide:
+            producer_regs, mma_regs = (56, 224) if kv_box else (72, 216)
         cfg = KernelConfig(
             arch=arch, dtype=dtype, head_dim=head_dim, group=group, causal=bool(causal),
             has_lse=bool(has_lse), kv_box=kv_box, tile_m_prefill=128, tile_m_decode=64,
             tile_n=tile_n, num_stages=2, num_mma_warpgroups=2, ctas_per_sm=1,
-            producer_regs=56, mma_regs=200, window=bool(window), softcap=bool(softcap),
-            has_sinks=bool(has_sinks), kv_dtype=kv_dtype, fp8_stages=2,
+            producer_regs=producer_regs, mma_regs=mma_regs, window=bool(window),
+            softcap=bool(softcap), has_sinks=bool(has_sinks), kv_dtype=kv_dtype, fp8_stages=2,
+            combine_rounds=4 if wide else 1, o_staging=not wide,
         )
         while (cfg.fp8_stages + 2 <= 8 and dataclasses.replace(
                 cfg, fp8_stages=cfg.fp8_stages + 2).smem_bytes() <= SMEM_BYTES_PER_SM):

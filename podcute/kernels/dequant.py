@@ -1,8 +1,9 @@
 """fp8 KV values -> fp16, the MMAs' operand type beside an fp8 cache whatever the queries'
 type: whole tiles shared memory to shared memory (`Dequant`, for the wgmma path), or
 register words straight into mma.sync fragments (`byte_perm`, `fp8_pair_to_f16x2`, for
-the warp-level fp8 decode path, `decode_fp8.py`); and bf16 query fragments scaled into
-fp16's range (`q_fragment_to_fp16`, `fp16_range_scale`).
+the warp-level fp8 decode path, `decode_fp8.py`); and bf16 queries scaled into fp16's
+range, as register fragments (`q_fragment_to_fp16`) or, at D 256, in place in shared
+memory (`q_tile_to_fp16`; both through `fp16_range_scale`).
 
 The converting warps of the producer warpgroup read a staged fp8 tile (row-major, as TMA
 or cp.async wrote it; with its 16-byte chunks XOR-swizzled by the row where the staging
@@ -78,6 +79,35 @@ def q_fragment_to_fp16(rQ: cute.Tensor, tSrQ: cute.Tensor) -> Float32:
         up, down = fp16_range_scale(
             cute.arch.warp_reduction_max(finite_abs_max(x), threads_in_group=32))
         tSrQ.store((x * down).to(cutlass.Float16))
+    return up
+
+
+@cute.jit
+def q_tile_to_fp16(sQ: cute.Tensor, sQ16: cute.Tensor, warp: Int32, lane: Int32) -> Float32:
+    """In place, warp `warp`'s 16 rows of an MMA warpgroup's (64, D) bf16 Q tile `sQ` as
+    fp16 (`sQ16`, the same shared memory seen as fp16): scaled by 2^-e as
+    `q_fragment_to_fp16` scales a register fragment, e from the largest finite |q| of the
+    16 rows, which are the rows of the warp's S accumulator in an m64 wgmma. For head
+    dims whose Q does not fit in registers beside O (D 256). Returns 2^e, the factor the
+    warp's scores need. Each lane takes half a row, 8 values (16 bytes) a step: a first
+    pass finds the maximum, a second converts (all of a half row held at once would take
+    D / 4 registers). The caller fences and syncs the warpgroup before a wgmma reads it."""
+    d = cute.size(sQ, mode=[1])
+    steps = d // 2 // 8
+    row = warp * 16 + lane // 2
+    first = (lane % 2) * steps
+    amax = Float32(0.0)
+    for c in cutlass.range_constexpr(steps):
+        v = cute.make_rmem_tensor((1, 8), sQ.element_type)
+        cute.autovec_copy(cute.local_tile(sQ, (1, 8), (row, first + c)), v)
+        amax = cutlass.max(amax, finite_abs_max(v.load().to(Float32)))
+    up, down = fp16_range_scale(cute.arch.warp_reduction_max(amax, threads_in_group=32))
+    for c in cutlass.range_constexpr(steps):
+        v = cute.make_rmem_tensor((1, 8), sQ.element_type)
+        cute.autovec_copy(cute.local_tile(sQ, (1, 8), (row, first + c)), v)
+        h = cute.make_rmem_tensor((1, 8), cutlass.Float16)
+        h.store((v.load().to(Float32) * down).to(cutlass.Float16))
+        cute.autovec_copy(h, cute.local_tile(sQ16, (1, 8), (row, first + c)))
     return up
 
 

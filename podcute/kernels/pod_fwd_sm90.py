@@ -53,7 +53,7 @@ from podcute.kernels.config import (FP8_HEAD_DIMS, FP8_KV_DTYPES, REGISTERS_PER_
                                     SMEM_BYTES_PER_SM, SUPPORTED_HEAD_DIMS, WARPGROUP_THREADS,
                                     KernelConfig)
 from podcute.kernels.decode_fp8 import ITEM_ROWS, WARP_KV_ROWS, Fp8WarpDecode
-from podcute.kernels.dequant import Dequant, q_fragment_to_fp16
+from podcute.kernels.dequant import Dequant, q_fragment_to_fp16, q_tile_to_fp16
 from podcute.kernels.dtypes import DTYPES
 from podcute.kernels.epilogue import (staging_tile, store_fragments, store_lse, store_partial,
                                       store_rows)
@@ -91,33 +91,36 @@ class WarpRoles:
     """What the producer warps of a configuration do (thread ids from 0: the producer
     warpgroups come first, the MMA warpgroups after them)."""
 
-    # Groups of converting warps: 2 with fp8 (one per 16-bit stage parity), else 0.
+    # Groups of converting warps with fp8: one per producer warpgroup (each 16-bit stage
+    # parity its own group), else 0.
     converter_groups: int
-    # Threads of a cp.async K/V gather (the first producer warpgroup, or its warps 0-1
+    # Threads of a cp.async K/V gather (the first producer warpgroup, or its first warps
     # next to the converters of an fp8 cache); 0 with TMA.
     num_loaders: int
     # Thread id of the first converting thread (after the copy warps).
     first_converter: int
-    # (first warp, warps) of the warps that load Q: the first warpgroup, or with fp8 TMA
-    # the warp past the converter groups (warp 7), so that no converter waits for the Q
-    # stage of the next item.
+    # (first warp, warps) of the warps that load Q: the first warpgroup; with fp8 TMA
+    # and two producer warpgroups the warp past the converter groups (warp 7), so that no
+    # converter waits for the Q stage of the next item; with one (D 256) the TMA warp.
     q_loaders: tuple
 
     @property
     def num_converters(self) -> int:
-        """Producer threads that dequantise fp8 tiles: two groups of 3 warps after the TMA
-        warp (warps 1-6; warp 7 loads Q) or after the 2-warp cp.async gather (warps 2-7);
-        0 without fp8."""
+        """Producer threads that dequantise fp8 tiles: groups of 3 warps after the TMA
+        warp (warps 1-6, or 1-3 with one producer warpgroup) or after the cp.async gather
+        (warps 2-7, or 1-3); 0 without fp8."""
         return self.converter_groups * CONVERTER_GROUP_THREADS
 
     @staticmethod
     def of(cfg: KernelConfig) -> "WarpRoles":
-        groups = 2 if cfg.fp8 else 0
-        loaders = 0 if cfg.tma_kv else 2 * 32 if cfg.fp8 else WARPGROUP_THREADS
+        groups = cfg.num_producer_warpgroups if cfg.fp8 else 0
+        # (a gather beside converters: the warps they leave, 8 - 6 or 4 - 3)
+        loaders = 0 if cfg.tma_kv else 32 * groups if cfg.fp8 else WARPGROUP_THREADS
         first_converter = 32 if cfg.tma_kv else loaders
         q_loaders = (0, 4)
         if cfg.fp8 and cfg.tma_kv:
-            q_loaders = ((first_converter + groups * CONVERTER_GROUP_THREADS) // 32, 1)
+            q_warp = (first_converter + groups * CONVERTER_GROUP_THREADS) // 32
+            q_loaders = (q_warp if q_warp < 4 * groups else 0, 1)
         return WarpRoles(groups, loaders, first_converter, q_loaders)
 
 
@@ -162,7 +165,10 @@ class SmemTiles:
     """The CTA's Q tile and K/V stages, and an fp8 cache's staging stages as the copies
     write them (None without fp8)."""
 
-    sQ: cute.Tensor  # (tile_m, D)
+    sQ: cute.Tensor  # (tile_m, D), q's type
+    # sQ as the S GEMM reads it from shared memory: sQ, or beside an fp8 cache at D 256
+    # (bf16 queries converted in place, `dequant.q_tile_to_fp16`) its fp16 view.
+    sQ_mma: cute.Tensor
     sK: cute.Tensor  # (tile_n, D, stage), the MMAs' type
     sV: cute.Tensor
     sK8: Optional[cute.Tensor]  # (tile_n, D, fp8 stage)
@@ -435,7 +441,11 @@ class PodAttentionSm90(PodKernelBase):
             else:
                 sK8 = storage.sK8.get_tensor(s8_layout)
                 sV8 = storage.sV8.get_tensor(s8_layout)
-        smem_tiles = SmemTiles(sQ, sK, sV, sK8, sV8)
+        sQ_mma = sQ
+        if const_expr(self.fp8 and not self.cfg.q_in_registers):
+            sQ_mma = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner,
+                                           dtype=self.mma_dtype)
+        smem_tiles = SmemTiles(sQ, sQ_mma, sK, sV, sK8, sV8)
 
         # This CTA's item list is read after setmaxnreg: a value live across the register
         # reallocation goes through local memory (a spill).
@@ -575,12 +585,18 @@ class PodAttentionSm90(PodKernelBase):
             # Disjoint warp roles, one item loop each: what one role's loop keeps live (the
             # converters' hoisted swizzled addresses) is then not live in the others' (64
             # registers: the Q loader spilled 8 bytes with one loop for all).
-            if warp == first_q_warp:
-                items(roles=ROLE_Q)
-            elif warp == 0:
-                items(roles=ROLE_COPY)
+            if const_expr(first_q_warp == 0):  # one producer warpgroup: TMA warp loads Q
+                if warp == 0:
+                    items(roles=ROLE_Q | ROLE_COPY)
+                else:
+                    items(roles=ROLE_CONVERT)
             else:
-                items(roles=ROLE_CONVERT)
+                if warp == first_q_warp:
+                    items(roles=ROLE_Q)
+                elif warp == 0:
+                    items(roles=ROLE_COPY)
+                else:
+                    items(roles=ROLE_CONVERT)
         else:
             items(roles=ROLE_Q | ROLE_COPY | ROLE_CONVERT)
 
@@ -1002,7 +1018,8 @@ class PodAttentionSm90(PodKernelBase):
             tSrQ = cute.make_rmem_tensor(thr_mma_qk.partition_shape_A((WG_ROWS, d)),
                                          self.mma_dtype)
         else:
-            tSrQ = thr_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sQ_wg))
+            tSrQ = thr_mma_qk.make_fragment_A(thr_mma_qk.partition_A(
+                cute.local_tile(smem.sQ_mma, (WG_ROWS, d), (wg, 0))))
         tSrK = thr_mma_qk.make_fragment_B(thr_mma_qk.partition_B(smem.sK))
         tOrVt = thr_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sVt))
         item = WorkItem.load(plan, i)
@@ -1021,6 +1038,11 @@ class PodAttentionSm90(PodKernelBase):
             cute.copy(copy_q, copy_q.partition_S(sQ_wg), copy_q.retile(rQ))
             pipes.q.consumer_release(q_state)
             q_up = q_fragment_to_fp16(rQ, tSrQ)
+        elif const_expr(self.fp8 and self.dtype != self.mma_dtype):
+            # bf16 rows beside an fp8 cache, read from shared memory: each warp scales
+            # its 16 rows into fp16 in place (fenced and synced below, before any wgmma).
+            q_up = q_tile_to_fp16(sQ_wg, cute.local_tile(smem.sQ_mma, (WG_ROWS, d), (wg, 0)),
+                                  tidx // 32, tidx % 32)
         item_softmax, tanh_scale = softmax, None
         if const_expr(self.fp8):
             item_softmax, tanh_scale = self.raw_score_scales(softmax, plan.mParams, io.mKScale,
@@ -1029,6 +1051,10 @@ class PodAttentionSm90(PodKernelBase):
         if const_expr(not self.cfg.q_in_registers):
             # cp.async wrote sQ through the generic proxy; wgmma reads via the async one.
             cute.arch.fence_view_async_shared()
+            if const_expr(self.fp8 and self.dtype != self.mma_dtype):
+                # The wgmma reads all 64 rows: every warp's conversion must be done.
+                cute.arch.barrier(barrier_id=Int32(NamedBarrier.WARPGROUP) + wg,
+                                  number_of_threads=WARPGROUP_THREADS)
         # The mask re-reads the item (L1 hits) on the few tiles it touches rather than
         # hold its bounds in registers through the mainloop.
         mask_tile = partial(self.mask_tile, tScS=tScS, plan=plan, i=i, wg=wg)
