@@ -2,7 +2,7 @@
 16-bit cache, and the roofline of one byte per KV element, all in one run.
 
     python -m perf.bench_fp8 [--out DIR] [--reps N] [--pages 16,128] [--workloads M1,D1]
-                             [--dtypes bfloat16,float16]
+                             [--dtypes bfloat16,float16] [--head-dim D] [--heads HQ/HKV]
 
 Every workload of perf.workloads' main set (M1-M5, P1, D1, F1) at each page size and query
 dtype: the 16-bit batch (perf.bench's, garbage 0) and its per-KV-head e4m3 quantisation
@@ -10,7 +10,8 @@ dtype: the 16-bit batch (perf.bench's, garbage 0) and its per-KV-head e4m3 quant
 launch gaps hidden, input sets rotated past L2), each checked once against the float32
 reference on its own cache (the fp8 one dequantised). The roofline counts Q/O at 2 bytes
 and K/V at 1 byte an element, against the copy bandwidth and matmul rate measured in the
-same run. Writes <out>/bench_fp8.json and bench_fp8.md.
+same run. `--head-dim`, `--heads` override every workload's shape (as in perf.bench).
+Writes <out>/bench_fp8.json and bench_fp8.md.
 
 Predictions (issue 11): D1 at >= 0.9 of the fp8 roofline (half the bytes of bf16, so about
 half its time); M1-M5 and P1 faster with the fp8 cache than with bf16 (decode halves,
@@ -29,6 +30,7 @@ import time
 import torch
 
 from perf import workloads as W
+from perf.bench import parse_heads
 from perf.bench import _rel_l2, _sets, measure_ceilings
 from perf.timing import time_gpu
 
@@ -105,6 +107,9 @@ def main(argv=None) -> int:
     p.add_argument("--workloads", default=",".join(w.name for w in W.MAIN))
     p.add_argument("--dtypes", default="bfloat16",
                    help="query dtypes, comma-separated (bfloat16, float16)")
+    p.add_argument("--head-dim", type=int, default=None, help="every workload's head dim")
+    p.add_argument("--heads", type=parse_heads, default=None, metavar="HQ/HKV",
+                   help="every workload's query and KV heads")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     ceil = measure_ceilings()
@@ -115,6 +120,8 @@ def main(argv=None) -> int:
     for w in W.MAIN:
         if w.name not in wanted:
             continue
+        hq, hkv = args.heads or (None, None)
+        w = W.with_overrides(w, head_dim=args.head_dim, num_qo_heads=hq, num_kv_heads=hkv)
         for page, dt in ((int(p), getattr(torch, d)) for d in args.dtypes.split(",")
                          for p in args.pages.split(",")):
             try:

@@ -21,7 +21,8 @@
 # PODCUTE_GRAPH_PAIRS (default 60), BENCH_ARGS (extra perf.bench arguments), WARM_ARGS
 # (extra perf.warm_cache arguments, e.g. "--only 16bit"), KERNEL_K (the kernel step's
 # pytest -k expression, e.g. "invariant or random_mixed"), SANITIZE_ARGS (of the racecheck step,
-# e.g. '--case "p16 mixed"'), AB_ROUNDS (new/base rounds of ab, default 2), DEADLINE_S
+# e.g. '--case "p16 mixed"'), FP8_SANITIZE_ARGS (of the fp8 sanitizer steps, e.g. '--case D256'),
+# FP8_BENCH_ARGS (extra perf.bench_fp8 arguments of fp8-bench), AB_ROUNDS (new/base rounds of ab, default 2), DEADLINE_S
 # (seconds for all steps; later steps are cut short or skipped; default 560, inside a
 # device call's 600), PYTEST_ADDOPTS (e.g. a per-test --timeout, so a hung launch fails
 # its test instead of the whole step), PODCUTE_TEST_DECODE_EVICT_FIRST=0 / 1 (every step's
@@ -40,7 +41,9 @@ pack() {  # every step's logs and JSON so far -> $DEST/results.tgz (replaced who
   tar czf "$DEST/.results.tgz" -C "$OUT" . && mv "$DEST/.results.tgz" "$DEST/results.tgz"
 }
 source .device/gpu-env.sh
-pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1
+# (GPU_CHECK_INSTALLED=1: the caller installed podcute, and may be running it beside)
+[ "${GPU_CHECK_INSTALLED:-0}" = 1 ] ||
+  pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1
 export PODCUTE_CACHE_DIR=${PODCUTE_CACHE_DIR:-$PWD/.device/pcache} PODCUTE_COMPILE_LOG=$OUT/compiles.log
 # Scripts outside the repo root (tests/gpu_sanitize.py) import podcute from the tree.
 export PYTHONUNBUFFERED=1 CUTE_DSL_ARCH=sm_90a PYTHONPATH=$PWD:${PYTHONPATH:-}
@@ -89,7 +92,7 @@ for s in "$@"; do
     fp8) step fp8 420 env PODCUTE_GPU_REPORT="$OUT/fp8_report.json" \
         python -m pytest -q -x -m gpu tests/test_fp8_gpu.py ;;
     fp8-bench) step fp8-bench 500 python -m perf.bench_fp8 --out "$OUT/fp8" \
-        --dtypes bfloat16,float16 ;;
+        --dtypes bfloat16,float16 ${FP8_BENCH_ARGS:-} ;;
     # A/B: one benchmark command of the tree unpacked in .device/base and of this one,
     # alternating new/base twice (one machine, so the ratio is the measurement).
     # fp8-ab: perf.bench_fp8 FP8_AB_ARGS; ab: AB_CMD (e.g. "perf.bench --quick --only
@@ -106,12 +109,12 @@ for s in "$@"; do
               python -m $ab_cmd --out "$OUT/$s-base$r"
         done ;;
     fp8-memcheck) step fp8-memcheck 300 compute-sanitizer --tool memcheck --error-exitcode 3 \
-        python tests/gpu_sanitize.py --fp8 ;;
+        python tests/gpu_sanitize.py --fp8 ${FP8_SANITIZE_ARGS:-} ;;
     fp8-racecheck) step fp8-racecheck 400 compute-sanitizer --tool racecheck --error-exitcode 3 \
         --kernel-regex kns=kernel_cutlass \
-        python tests/gpu_sanitize.py --fp8 --small ;;
+        python tests/gpu_sanitize.py --fp8 --small ${FP8_SANITIZE_ARGS:-} ;;
     fp8-synccheck) step fp8-synccheck 300 compute-sanitizer --tool synccheck --error-exitcode 3 \
-        python tests/gpu_sanitize.py --fp8 --small ;;
+        python tests/gpu_sanitize.py --fp8 --small ${FP8_SANITIZE_ARGS:-} ;;
     # the second K/V sources: the legacy wrapper's ragged one, BatchPOD's second cache
     second-memcheck) for f in --legacy --cache2; do step second-memcheck$f 240 \
         compute-sanitizer --tool memcheck --error-exitcode 3 python tests/gpu_sanitize.py $f

@@ -37,6 +37,7 @@ VARIANTS = {
                       {"ragged_kv": True, "has_sinks": True}),
     "fp8_tma": (("bfloat16", 128, 4, True, True, 64), {"kv_dtype": "float8_e4m3fn"}),
     "fp8_box": (("bfloat16", 96, 1, False, False, 16), {"kv_dtype": "float8_e5m2"}),
+    "fp8_d256": (("bfloat16", 256, 4, True, True, 16), {"kv_dtype": "float8_e4m3fn"}),
     "fp8_gather": (("float16", 128, 8, True, True, 1),
                    {"kv_dtype": "float8_e4m3fn", "window": True}),
     "cache2": (("bfloat16", 128, 4, True, True, 128), {"second_cache": True}),
