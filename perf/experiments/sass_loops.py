@@ -5,12 +5,17 @@ local memory; this says whether they sit in a tile loop (paid every tile) or in 
 code (paid once an item).
 
     python -m perf.experiments.sass_loops --arch sm_90 --head-dims 128 --groups 4 [--features ...]
-        [--dtypes bfloat16] [--all-loops] [--keep DIR] [--evict-first 0|1]
+        [--dtypes bfloat16] [--all-loops] [--keep DIR] [--evict-first 0|1] [--events]
 
 Needs `nvdisasm` (`NVDISASM=...`, on PATH, or the `nvidia-cuda-nvdisasm` wheel:
 `pip download --no-deps nvidia-cuda-nvdisasm` and unzip it; its binary is
 nvidia/cu13/bin/nvdisasm). A loop is the span from a backward branch's target to the
-branch. Nested loops are listed each on their own; by default only loops with MMAs.
+branch. Nested loops are listed each on their own; by default only loops with MMAs
+(HMMA, or HGMMA on sm_90a). `--events` adds, per loop, the order of its synchronising
+events: wgmma groups (`HGMMA` runs, the last of a group marked by `gsb0`), their waits
+(`DEPBAR<=n`, n groups left in flight), `MUFU` (the softmax's exp2), `F2FP` (P's
+conversion), named barriers (`BAR`) and mbarrier operations (`SYNCS`): where ptxas put the
+wait for the P V GEMM relative to the softmax (docs/notes/sm90a-kernel.md).
 """
 
 import argparse
@@ -26,7 +31,8 @@ from pathlib import Path
 _INSN = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)([^;]*);")
 _LABEL = re.compile(r"\s*\.L_x_(\d+):")
 _TARGET = re.compile(r"\.L_x_(\d+)")
-COUNTED = ("HMMA", "LDSM", "MUFU", "BAR", "LDGSTS", "STL", "LDL")
+COUNTED = ("HMMA", "HGMMA", "LDSM", "MUFU", "BAR", "LDGSTS", "STL", "LDL")
+EVENTS = ("HGMMA", "MUFU", "F2FP", "BAR", "SYNCS")
 
 
 def nvdisasm() -> str:
@@ -66,15 +72,37 @@ def loops(sass: str):
             for s, e in spans]
 
 
-def report(cubin: Path, all_loops: bool) -> str:
+def events(insns, start: int, end: int) -> str:
+    """The loop's synchronising events in order, runs of one kind merged ("MUFUx12")."""
+    seq = []
+    for addr, op, rest in insns:
+        if not start <= addr <= end:
+            continue
+        kind = op
+        if op == "WARPGROUP" and rest.startswith(".DEPBAR"):
+            kind = "DEPBAR<=" + rest.split(",")[-1].strip()
+        elif kind not in EVENTS:
+            continue
+        if seq and seq[-1][0] == kind:
+            seq[-1][1] += 1
+        else:
+            seq.append([kind, 1])
+    return " ".join(k if n == 1 else f"{k}x{n}" for k, n in seq)
+
+
+def report(cubin: Path, all_loops: bool, show_events: bool = False) -> str:
     sass = subprocess.run([nvdisasm(), "-c", str(cubin)], capture_output=True, text=True,
                           check=True).stdout
     ops = collections.Counter(m.group(2) for m in map(_INSN.match, sass.splitlines()) if m)
     lines = [f"  kernel: {sum(ops.values())} instructions, STL {ops['STL']}, LDL {ops['LDL']}"]
+    insns = [(int(m.group(1), 16), m.group(2), m.group(3))
+             for m in map(_INSN.match, sass.splitlines()) if m]
     for s, e, c in loops(sass):
-        if all_loops or c["HMMA"]:
+        if all_loops or c["HMMA"] or c["HGMMA"]:
             counts = " ".join(f"{k}={c[k]}" for k in COUNTED)
             lines.append(f"  loop {s:#x}-{e:#x}: {sum(c.values())} instructions {counts}")
+            if show_events:
+                lines.append(f"    events: {events(insns, s, e)}")
     return "\n".join(lines)
 
 
@@ -87,6 +115,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", default="bfloat16")
     ap.add_argument("--all-loops", action="store_true", help="also loops without MMAs")
     ap.add_argument("--keep", default=None, help="copy each cubin into this folder")
+    ap.add_argument("--events", action="store_true",
+                    help="print each loop's order of wgmma groups, waits, exp2s, conversions "
+                         "and barriers")
     ap.add_argument("--evict-first", type=int, choices=(0, 1), default=None,
                     help="the variants without (0) / with (1) "
                          "KernelConfig.decode_kv_evict_first (default: as shipped, on)")
@@ -113,7 +144,7 @@ def main(argv=None) -> int:
             Path(args.keep).mkdir(parents=True, exist_ok=True)
             shutil.copy(cubin, Path(args.keep) / f"{name}.cubin")
         print(f"{name} (tile_m_prefill {c.tile_m_prefill}, {c.num_stages} stages)")
-        print(report(cubin, args.all_loops), flush=True)
+        print(report(cubin, args.all_loops, args.events), flush=True)
     return 0
 
 
