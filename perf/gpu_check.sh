@@ -12,6 +12,7 @@
 #                                             second cache)
 #                                             ncu-W-PAGE
 #                                             (ncu of workload W at page PAGE, e.g. ncu-F1-16)
+#                                             ncu-fa4-W-PAGE (the same batch through FA4)
 #                                             ncu-base-W-PAGE (the same for the source tree
 #                                             unpacked in .device/base, for before/after)
 #
@@ -150,6 +151,10 @@ for s in "$@"; do
         step "$s" 240 env -C .device/base PYTHONPATH=$PWD/.device/base:${PYTHONPATH:-} \
         ncu --clock-control none -k regex:kernel_cutlass --launch-skip 3 --launch-count 1 \
         "${NCU_SECTIONS[@]}" python -m $prof ${w%-*} ${w##*-} ;;
+    ncu-fa4-*) w=${s#ncu-fa4-}  # the same batch through FlashAttention-4 (its mainloop beside ours)
+        step "$s" 240 env PODCUTE_PROFILE_PEER=fa4 ncu --clock-control none \
+        -k regex:kernel_cutlass --launch-skip 3 --launch-count 1 "${NCU_SECTIONS[@]}" \
+        python -m perf.experiments.profile_one ${w%-*} ${w##*-} ;;
     ncu-*) w=${s#ncu-}; step "$s" 240 ncu --clock-control none -k regex:kernel_cutlass \
         --launch-skip 3 --launch-count 1 "${NCU_SECTIONS[@]}" \
         python -m perf.experiments.profile_one ${w%-*} ${w##*-} ;;

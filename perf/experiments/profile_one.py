@@ -5,7 +5,10 @@
 
 (perf.workloads names; page size). Prints the plan and the median of the runs. With
 PODCUTE_PROFILE_KV=float8_e4m3fn (or float8_e5m2) the cache is the per-head fp8
-quantisation of the same one (podcute.testing.quantize_kv_cache).
+quantisation of the same one (podcute.testing.quantize_kv_cache). With
+PODCUTE_PROFILE_PEER=fa4 the same batch runs through FlashAttention-4's
+`flash_attn.cute.interface.flash_attn_varlen_func` (16-bit caches; its kernel's name
+also starts with kernel_cutlass), so one ncu command profiles both mainloops alike.
 """
 
 import os
@@ -34,11 +37,20 @@ def main(name: str, page: int, runs: int = 5) -> int:
                         kv_dtype=kv_dtype)
     print(attn.plan(b.cu_seqlens_q, b.seqused_k, block_table=b.block_table, causal=w.causal))
     out = torch.empty_like(b.q)
+    run = lambda: attn.run(b.q, k, v, out=out, **scales)  # noqa: E731
+    if os.environ.get("PODCUTE_PROFILE_PEER") == "fa4":
+        from flash_attn.cute.interface import flash_attn_varlen_func
+
+        max_q = max(w.q_lens)
+        run = lambda: flash_attn_varlen_func(  # noqa: E731
+            b.q, k, v, cu_seqlens_q=b.cu_seqlens_q, seqused_k=b.seqused_k,
+            page_table=b.block_table, max_seqlen_q=max_q, causal=w.causal)
+        name = f"{name} (FA4)"
     times = []
     for _ in range(runs):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        attn.run(b.q, k, v, out=out, **scales)
+        run()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
