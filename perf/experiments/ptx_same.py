@@ -8,7 +8,8 @@ signature):
 
 REV is checked out into a temporary worktree; NAME picks variants of VARIANTS (default:
 all). Prints one line a variant: "bit-identical", "same instructions" (only operands
-renumbered, e.g. by another parameter order) or the number of differing instructions.
+renumbered, e.g. by another parameter order), the number of differing instructions, or
+"only in ..." for a variant one of the trees cannot build.
 """
 
 from __future__ import annotations
@@ -55,7 +56,11 @@ from podcute.compile import VariantKey, compile_variant
 from podcute.kernels.config import KernelConfig
 out, cases = sys.argv[1], json.loads(sys.argv[2])
 for name, (args, kw) in cases.items():
-    cfg = KernelConfig.select(*args, **kw)
+    try:
+        cfg = KernelConfig.select(*args, **kw)
+    except (TypeError, ValueError, NotImplementedError) as e:  # a variant this tree lacks
+        print(f"{name}: {type(e).__name__}: {e}", file=sys.stderr)
+        continue
     os.environ["CUTE_DSL_ARCH"] = cfg.arch
     ptx = compile_variant(VariantKey.make(cfg), keep_ptx=True).__ptx__
     ptx = re.sub(r"[A-Za-z0-9_]*_param_(\d+)", r"P\1", ptx)
@@ -105,8 +110,11 @@ def main(argv=None) -> int:
             _dump(here, Path(tmp) / "new", cases)
             differ = 0
             for name in cases:
-                old = (Path(tmp) / "old" / f"{name}.ptx").read_text()
-                new = (Path(tmp) / "new" / f"{name}.ptx").read_text()
+                found = [Path(tmp) / side / f"{name}.ptx" for side in ("old", "new")]
+                if not all(f.exists() for f in found):
+                    print(f"{name:16s} only in {'this tree' if found[1].exists() else rev}")
+                    continue
+                old, new = (f.read_text() for f in found)
                 a, b = _instructions(old), _instructions(new)
                 if old == new:
                     verdict = "bit-identical"
