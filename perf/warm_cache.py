@@ -37,6 +37,7 @@ VARIANTS = sorted({
     ("bfloat16", 96, 1, False, True, 1), ("bfloat16", 96, 8, True, True, 128),
     ("bfloat16", 256, 4, True, True, 16), ("bfloat16", 256, 8, True, True, 128),
     ("bfloat16", 256, 1, False, True, 1),
+    ("bfloat16", 160, 4, True, True, 16), ("bfloat16", 80, 4, True, True, 1),
     # compat and serving-loop GPU tests (8/2/128 bf16 causal, pages 1 and 16)
     ("bfloat16", 128, 4, True, False, 1),
     # demo and perf.bench (32/8/128 and 16/4/128, pages 16 and 128)
@@ -72,13 +73,15 @@ def _warm(args) -> int:
                 return None
             raise
 
-    from podcute.testing import feature_test_variants, fp8_test_variants, wide_test_variants
+    from podcute.testing import (feature_test_variants, fp8_test_variants,
+                                 head_size_test_variants, wide_test_variants)
 
     cfgs = []
     if args.only != "fp8":
         cfgs += [select(*v) for v in VARIANTS]
         cfgs += [select(**kw) for kw in feature_test_variants()]
         cfgs += [select(**kw) for kw in wide_test_variants()]  # test_random_wide
+        cfgs += [select(**kw) for kw in head_size_test_variants()]
         # tests/gpu_sanitize.py's feature cases
         cfgs += [select("bfloat16", 128, g, True, True, page, **f)
                  for g, page, f in ((4, 16, dict(window=True, softcap=True, has_sinks=True)),

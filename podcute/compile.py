@@ -98,19 +98,20 @@ def _fake_args(key: VariantKey):
     cfg = key.config
     dtype = DTYPES[cfg.dtype]
     kv_dtype = DTYPES[cfg.kv_dtype] if cfg.fp8 else dtype
-    d = cfg.head_dim
+    d, d_io = cfg.head_dim, cfg.io_dim  # the tile's (workspace), the caller's (its tensors)
 
     def sym(div=1):
         return cute.sym_int64(divisibility=div)
 
     # Rows of q/out/K/V are 16-byte aligned (checked by the API): strides divisible by 8.
     def rows3():
-        return make_fake_tensor(dtype, (sym(), sym(), d), (sym(8), sym(8), 1), assumed_align=16)
+        return make_fake_tensor(dtype, (sym(), sym(), d_io), (sym(8), sym(8), 1),
+                                assumed_align=16)
 
     def cache():  # (16-byte rows: strides divisible by 16 / element size)
         div = 16 // (kv_dtype.width // 8)
         return make_fake_tensor(
-            kv_dtype, (sym(), sym(), sym(), d), (sym(div), sym(div), sym(div), 1),
+            kv_dtype, (sym(), sym(), sym(), d_io), (sym(div), sym(div), sym(div), 1),
             assumed_align=16
         )
 

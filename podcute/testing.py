@@ -381,6 +381,11 @@ def wide_test_variants():
             for lse in (True, False)]
 
 
+def head_size_test_variants():
+    """KernelConfig.select keyword arguments of test_head_dims_between_tiles' variants."""
+    return [_select_kwargs(dict(CHECK_DEFAULTS, **c)) for c in HEAD_SIZE_CASES]
+
+
 def feature_test_variants():
     """KernelConfig.select keyword arguments of every variant the feature GPU tests run."""
     def variant(c):
@@ -401,6 +406,16 @@ def feature_test_variants():
 
 # check_fp8()'s defaults: an e4m3 cache with per-KV-head float32 scales, 8/2 heads, D 128,
 # page 16, bf16 queries, causal.
+# Head dims between the compiled tiles (tests/test_kernel_gpu.py::test_head_dims_between_tiles,
+# perf.warm_cache): TMA boxes of 16 and whole tiles, the gather, D 256's tile half used,
+# a column block never copied (160, 192 on the 256 tile), fp16, CSR/HND, non-causal.
+HEAD_SIZE_CASES = [
+    dict(d=80, page=16), dict(d=40, page=128, hq=16, hkv=2), dict(d=112, page=1, hq=32, hkv=8),
+    dict(d=72, page=32, layout="HND", fmt="csr"), dict(d=160, page=16, hq=16, hkv=8),
+    dict(d=192, page=1, hq=8, hkv=2, causal=False),
+    dict(d=224, page=128, hq=16, hkv=2, dtype=torch.float16),
+]
+
 FP8_DEFAULTS = dict(hq=8, hkv=2, d=128, page=16, dtype=torch.bfloat16, causal=True,
                     kv="e4m3", scale="per_head", window_size=(-1, -1), softcap=0.0,
                     sinks=False)

@@ -77,6 +77,13 @@ def main(small: bool, only: str = "") -> int:
          [300 // s, 1, 1, 5, 0, 1, 8], [700, 64, 1, 900, 17, 8000 // s, 8]),
         ("D256 p128 decode-only", 32, 4, 256, 128, "csr", True, [1] * 6, [9000 // s] * 6),
         ("D256 p1 non-causal", 8, 8, 256, 1, "csr", False, [1, 2, 200 // s], [3000 // s, 40, 500]),
+        # head dims between the tiles: D 160 on the 256 tile (TMA boxes of 3 of its 4
+        # column blocks; the 4th zero from the start), D 80 on the 96 tile (gathered rows,
+        # the last 16 columns never copied)
+        ("head dim 160 p16 mixed+splits", 8, 2, 160, 16, "table", True,
+         [300 // s, 1, 1, 5, 0, 1, 8], [700, 64, 1, 900, 17, 8000 // s, 8]),
+        ("head dim 80 p1 csr", 8, 2, 80, 1, "csr", True, [1, 2, 200 // s],
+         [3000 // s, 40, 500]),
         ("window+softcap+sinks p16", 8, 2, 128, 16, "table", True,
          [300 // s, 1, 1, 5, 0, 1, 8], [700, 64, 1, 900, 17, 8000 // s, 8],
          dict(window_size=(200, 0), softcap=20.0, sinks=True)),

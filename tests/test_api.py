@@ -70,8 +70,13 @@ def raises(exc, *names):
 def test_constructor_errors():
     with raises(ValueError, "num_qo_heads", "num_kv_heads"):
         PODAttention(12, 8, D, PS, device="cpu")
-    with raises(NotImplementedError, "head_dim=80", "supported"):
-        PODAttention(HQ, HKV, 80, PS, device="cpu")
+    with raises(NotImplementedError, "head_dim=84", "multiples of 8"):
+        PODAttention(HQ, HKV, 84, PS, device="cpu")
+    with raises(NotImplementedError, "head_dim=264", "up to 256"):
+        PODAttention(HQ, HKV, 264, PS, device="cpu")
+    # a head dim between the compiled tiles runs on the next one, its other columns zero
+    narrow = PODAttention(HQ, HKV, 80, PS, device="cpu").planner.config.kernel
+    assert (narrow.head_dim, narrow.head_dim_io, narrow.io_dim) == (96, 80, 80)
     for bad, err in ((0, ValueError), (-8, ValueError), (128.0, TypeError), (True, TypeError)):
         with raises(err, "head_dim"):
             PODAttention(HQ, HKV, bad, PS, device="cpu")
@@ -328,6 +333,10 @@ def test_one_shot_errors_and_no_hopper():
     with raises(TypeError, "q", "bfloat16"):
         pod_attention(g["q"].float(), g["k"], g["v"], **kw)
     with raises(NotImplementedError, "head_dim"):
+        pod_attention(torch.randn(21, HQ, 84, dtype=torch.bfloat16),
+                      torch.randn(8, PS, HKV, 84, dtype=torch.bfloat16),
+                      torch.randn(8, PS, HKV, 84, dtype=torch.bfloat16), **kw)
+    with raises(RuntimeError, "GPU"):  # head dim 80 is served: checked, then the device
         pod_attention(torch.randn(21, HQ, 80, dtype=torch.bfloat16),
                       torch.randn(8, PS, HKV, 80, dtype=torch.bfloat16),
                       torch.randn(8, PS, HKV, 80, dtype=torch.bfloat16), **kw)

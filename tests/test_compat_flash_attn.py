@@ -190,7 +190,7 @@ def test_bad_values_are_named():
         flash_attn_varlen_func(b["q"].float(), b["k"], b["v"], 20, b["cu"], 40,
                                seqused_k=b["kvl"], block_table=b["bt"])
     with pytest.raises(NotImplementedError, match="head_dim"):
-        flash_attn_varlen_func(b["q"][..., :80], b["k"][..., :80], b["v"][..., :80], 20,
+        flash_attn_varlen_func(b["q"][..., :84], b["k"][..., :84], b["v"][..., :84], 20,
                                b["cu"], 40, seqused_k=b["kvl"], block_table=b["bt"])
 
 
@@ -361,7 +361,7 @@ def test_layer_path_finds_each_configuration(launches):
     pod_call(b)
     assert launches[-1][0] is one_shot(scalars=POD_SCALARS)[0].current_plan
     with pytest.raises(NotImplementedError, match="head_dim"):
-        pod_call(dict(b, q=b["q"][..., :80], k=b["k"][..., :80], v=b["v"][..., :80]))
+        pod_call(dict(b, q=b["q"][..., :84], k=b["k"][..., :84], v=b["v"][..., :84]))
     with pytest.raises(ValueError, match="kv_layout"):
         pod_call(b, kv_layout="NDH")
     # Hkv == page_size: an NHD and an HND cache have one shape; the layout tells them apart.

@@ -586,7 +586,7 @@ def test_batch_attention_plan():
     (dict(head_dim_vo=64), NotImplementedError, ["head_dim_vo", "head_dim_qk"]),
     (dict(use_profiler=True), NotImplementedError, ["use_profiler"]),
     (dict(kv_data_type=torch.int8), NotImplementedError, ["kv_data_type", "float8_e5m2"]),
-    (dict(head_dim_qk=80, head_dim_vo=80), NotImplementedError, ["head_dim_qk", "64, 96, 128"]),
+    (dict(head_dim_qk=84, head_dim_vo=84), NotImplementedError, ["head_dim_qk", "multiples of 8"]),
     (dict(qo_indptr=i32(0, 20, 19)), ValueError, ["qo_indptr", "non-decreasing"]),
     (dict(kv_len_arr=i32(40, 40)), ValueError, ["kv_len_arr\\[1\\]", "pages"]),
     (dict(kv_indices=torch.arange(5)), TypeError, ["kv_indices", "int32"]),

@@ -17,9 +17,12 @@ from podcute.kernels.config import WARP_MMA_ARCHS
 pytestmark = pytest.mark.compile
 
 # (arch, dtype, head_dim, group, causal, lse, page_size, features): the heaviest common
-# shape of each family (every model feature on; sm_90a at its 16-slot TMA page class).
+# shape of each family (every model feature on; sm_90a at its 16-slot TMA page class), and
+# each family at a head dim between its tiles.
 VARIANTS = [("sm_90a", "bfloat16", 128, 4, True, True, 16, "window+softcap+sinks")] + [
-    (arch, "bfloat16", 128, 4, True, True, 16, "") for arch in WARP_MMA_ARCHS]
+    (arch, "bfloat16", 128, 4, True, True, 16, "") for arch in WARP_MMA_ARCHS] + [
+    # a head dim between the tiles (80 on the 96 tile), each family
+    ("sm_90a", "bfloat16", 80, 4, True, True, 16, ""), ("sm_80", "bfloat16", 80, 4, True, True, 16, "")]
 # Spill bytes ptxas reports on plain sm_90's shipped set (tests/test_compile_portable.py
 # says where they are); every other target spills nothing.
 SPILL_ALLOWANCE = {"sm_90": 64}

@@ -19,7 +19,8 @@ from podcute.kernels.config import arch_head_dims
 from podcute.launch import requested_arch
 from podcute.planning import H100_HBM_BYTES_PER_SM_CLOCK as H100_HBM, Planner
 from podcute.reference import pod_attention_reference
-from podcute.testing import (CHECK_DEFAULTS, EXTRA_FEATURE_CASES, FEATURE_CASES, NUM_SPLIT_CASES,
+from podcute.testing import (CHECK_DEFAULTS, EXTRA_FEATURE_CASES, FEATURE_CASES, HEAD_SIZE_CASES,
+                             NUM_SPLIT_CASES,
                              RANDOM_FEATURE_PRESETS, RANDOM_FEATURE_SHAPES, WIDE_PAGES,
                              WIDE_SHAPES, handover_lengths, make_batch,
                              mixed_lengths)
@@ -73,7 +74,7 @@ def check(name, q_lens, kv_lens, *, hq=_D["hq"], hkv=_D["hkv"], d=_D["d"], page=
     `lse` False runs the variant without LSE (only the output is compared); `planner_kw`:
     a wrapper of its own whose Planner gets these arguments (`num_sms`: a grid made for
     another chip; `hbm_bytes_per_sm_clock`: another chip's choice of SM pairs)."""
-    if d not in arch_head_dims(ARCH):
+    if d > max(arch_head_dims(ARCH)):
         pytest.skip(f"head_dim {d}: no {ARCH} kernel")
     b = make_batch(q_lens, kv_lens, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d,
                    page_size=page, dtype=dtype, device="cuda", kv_layout=layout,
@@ -162,6 +163,14 @@ GRID = [
 @pytest.mark.parametrize("cfg", GRID, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 def test_grid_mixed(cfg):
     check(f"grid {cfg}", *MIXED, **cfg)
+
+
+@pytest.mark.parametrize("cfg", HEAD_SIZE_CASES,
+                         ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_head_dims_between_tiles(cfg):
+    """Head dims engines ship between the compiled tiles (each on the next tile, its other
+    columns zero): every page class, split KV (the 8000-token decode), CSR and HND."""
+    check(f"head dim {cfg}", [300, 1, 1, 5, 0, 1, 8], [700, 64, 1, 900, 17, 8000, 8], **cfg)
 
 
 @pytest.mark.parametrize("order", ["prefill-only", "decode-only", "long-decode", "spec-decode"])

@@ -12,7 +12,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+# The head dims of the compiled tiles. A caller's head dim may be any multiple of 8 up to
+# 256 (`HEAD_DIM_STEP`, `MAX_HEAD_DIM`): it runs on the next tile (`tile_head_dim`), its
+# missing columns zero in shared memory and never stored (`KernelConfig.head_dim_io`).
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 256)
+HEAD_DIM_STEP, MAX_HEAD_DIM = 8, 256
 SUPPORTED_PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # powers of two: the kernel takes log2
 # sm_90a: the Hopper kernel (wgmma, TMA, setmaxnreg; pod_fwd_sm90.py). The others: the
 # warp-level mma.sync kernel (pod_fwd_sm80.py) for Ampere, Ada and consumer Blackwell,
@@ -45,9 +49,23 @@ def check_fp8_kv(head_dim: int, kv_dtype: str) -> None:
     unless an fp8 cache of `kv_dtype` can serve `head_dim` (KernelConfig.select and the API's constructor, before any device check)."""
     if kv_dtype not in FP8_KV_DTYPES:
         raise ValueError(f"kv_dtype must be one of {FP8_KV_DTYPES}, got {kv_dtype!r}")
-    if head_dim not in FP8_HEAD_DIMS:
+    if head_dim % 16:
+        raise NotImplementedError(f"fp8 KV caches at head_dim {head_dim} are not supported by "
+                                  "podcute (an fp8 cache's rows must be whole 16-byte pieces: "
+                                  "head_dim a multiple of 16)")
+    if tile_head_dim(head_dim) not in FP8_HEAD_DIMS:
         raise NotImplementedError(f"fp8 KV caches at head_dim {head_dim} are not supported by "
                                   f"podcute (supported: head_dim in {FP8_HEAD_DIMS})")
+
+def tile_head_dim(head_dim: int, tiles: tuple = SUPPORTED_HEAD_DIMS) -> int:
+    """The compiled head dim that serves a caller's `head_dim` (a multiple of 8 up to 256):
+    the smallest of `tiles` at least as wide; ValueError for another head dim."""
+    if (not isinstance(head_dim, int) or head_dim % HEAD_DIM_STEP or
+            not HEAD_DIM_STEP <= head_dim <= max(tiles)):
+        raise ValueError(f"head_dim must be a multiple of {HEAD_DIM_STEP} up to {max(tiles)}, "
+                         f"got {head_dim}")
+    return min(t for t in tiles if t >= head_dim)
+
 
 def arch_head_dims(arch: str) -> tuple:
     """The head dims `arch`'s kernel serves."""
@@ -138,6 +156,11 @@ class KernelConfig:
     # in one launch): requests [0, IParam.SECOND_CACHE_REQUESTS) of the plan read their
     # K/V from it, through the same page table and page size; the others from the first.
     second_cache: bool = False
+    # The caller's head dim where it is narrower than the tile's (`head_dim`): its rows
+    # fill the first `head_dim_io` columns of each tile, the rest stay zero in shared
+    # memory (never copied, so Q K^T and P V see zeros there) and are never stored. 0: the
+    # caller's head dim is the tile's.
+    head_dim_io: int = 0
     # Decode items copy K/V with an L2 evict-first policy (their rows are read once in the
     # launch), so that streaming them does not push out the K/V of the batch's prefill
     # requests, which each row tile of a request reads again (docs/notes/l2-hint.md,
@@ -151,6 +174,11 @@ class KernelConfig:
     @property
     def elem_bytes(self) -> int:
         return 2
+
+    @property
+    def io_dim(self) -> int:
+        """The caller's head dim: the columns of q, K, V and out rows."""
+        return self.head_dim_io or self.head_dim
 
     @property
     def fp8(self) -> bool:
@@ -260,6 +288,10 @@ class KernelConfig:
             return False, f"dtype {self.dtype} (supported: {SUPPORTED_DTYPES})"
         if self.group < 1:
             return False, f"group {self.group} must be >= 1"
+        if self.head_dim_io and (self.head_dim_io % HEAD_DIM_STEP
+                                 or not 0 < self.head_dim_io < self.head_dim):
+            return False, (f"head_dim_io {self.head_dim_io} must be a multiple of "
+                           f"{HEAD_DIM_STEP} below the tile's head_dim {self.head_dim}")
         if self.ragged_kv and self.second_cache:
             return False, "one second K/V source: ragged_kv or second_cache, not both"
         # (combine_rounds splits a thread's O columns, D / 4 with 2 rows each in an m64
@@ -312,16 +344,18 @@ class KernelConfig:
                 dtype, head_dim, group, causal, has_lse, page_size, arch, window=window,
                 softcap=softcap, has_sinks=has_sinks, kv_dtype=kv_dtype,
             ).with_flags(ragged_kv=ragged_kv, second_cache=second_cache)._checked()
-        if head_dim not in SUPPORTED_HEAD_DIMS:
-            raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
         if arch not in SUPPORTED_ARCHS:
             raise ValueError(f"arch must be one of {SUPPORTED_ARCHS}, got {arch!r}")
+        # The compiled tile; a narrower head dim is the tile's first columns (head_dim_io).
+        tile = tile_head_dim(head_dim)
+        io = 0 if head_dim == tile else head_dim
         if arch in WARP_MMA_ARCHS:
-            return KernelConfig._select_warp(dtype, head_dim, group, causal, has_lse, arch,
-                                             window, softcap, has_sinks, kv_dtype)
+            return KernelConfig._select_warp(dtype, tile, group, causal, has_lse, arch,
+                                             window, softcap, has_sinks, kv_dtype, io)
         if kv_dtype:
-            return KernelConfig._select_fp8(dtype, head_dim, group, causal, has_lse, page_size,
-                                            arch, window, softcap, has_sinks, kv_dtype)
+            return KernelConfig._select_fp8(dtype, tile, group, causal, has_lse, page_size,
+                                            arch, window, softcap, has_sinks, kv_dtype, io)
+        head_dim = tile
         # FA3's structure: one CTA per SM = a producer warpgroup + two MMA warpgroups of
         # 64 rows over 128-token K/V tiles. D 128: Q 32 KB + 2 stages x (K + V) 128 KB +
         # 34 KB decode-combine scratch + 17 KB O staging; D 96 fits 3 stages but takes 2
@@ -353,7 +387,7 @@ class KernelConfig:
             tile_n=tile_n, num_stages=2, num_mma_warpgroups=2, ctas_per_sm=1,
             producer_regs=producer_regs, mma_regs=mma_regs, window=bool(window),
             softcap=bool(softcap), has_sinks=bool(has_sinks),
-            combine_rounds=4 if wide else 1, o_staging=not wide,
+            combine_rounds=4 if wide else 1, o_staging=not wide, head_dim_io=io,
         )
         # The deepest K/V pipeline shared memory holds (bytes in flight, whatever tile_n),
         # in steps of 2: one stage per MMA warpgroup (can_implement).
@@ -371,7 +405,7 @@ class KernelConfig:
 
     @staticmethod
     def _select_fp8(dtype, head_dim, group, causal, has_lse, page_size, arch, window,
-                    softcap, has_sinks, kv_dtype) -> "KernelConfig":
+                    softcap, has_sinks, kv_dtype, io: int = 0) -> "KernelConfig":
         """An fp8 cache: 64-token tiles, because the fp8 staging stages need the shared
         memory of 128-token 16-bit stages; 2 16-bit stages (the converters refill one while
         the MMA warpgroups read the other) and as many fp8 stages (the bytes in flight) as
@@ -401,7 +435,7 @@ class KernelConfig:
             tile_n=tile_n, num_stages=2, num_mma_warpgroups=2, ctas_per_sm=1,
             producer_regs=producer_regs, mma_regs=mma_regs, window=bool(window),
             softcap=bool(softcap), has_sinks=bool(has_sinks), kv_dtype=kv_dtype, fp8_stages=2,
-            combine_rounds=4 if wide else 1, o_staging=not wide,
+            combine_rounds=4 if wide else 1, o_staging=not wide, head_dim_io=io,
         )
         while (cfg.fp8_stages + 2 <= 8 and dataclasses.replace(
                 cfg, fp8_stages=cfg.fp8_stages + 2).smem_bytes() <= SMEM_BYTES_PER_SM):
@@ -410,7 +444,7 @@ class KernelConfig:
 
     @staticmethod
     def _select_warp(dtype, head_dim, group, causal, has_lse, arch, window, softcap,
-                     has_sinks, kv_dtype) -> "KernelConfig":
+                     has_sinks, kv_dtype, io: int = 0) -> "KernelConfig":
         """The warp-level kernel (every page size: its K/V rows are gathered): 64-row
         decode items (4 warps x 16) over 64-token tiles, two CTAs an SM, two K/V stages
         where two CTAs of them fit the SM's shared memory (D 128: 81 KB a CTA on sm_80 and
@@ -426,14 +460,15 @@ class KernelConfig:
             raise NotImplementedError(f"fp8 KV caches need the sm_90a kernel; {arch} has none "
                                       f"(kv_dtype {kv_dtype!r})")
         if head_dim not in WARP_HEAD_DIMS:
-            raise NotImplementedError(f"head_dim {head_dim} has no kernel on {arch} (the "
-                                      f"warp-level kernel serves {WARP_HEAD_DIMS})")
+            raise NotImplementedError(f"head_dim {io or head_dim} has no kernel on {arch} (the "
+                                      f"warp-level kernel serves head dims up to "
+                                      f"{max(WARP_HEAD_DIMS)})")
         cfg = KernelConfig(
             arch=arch, dtype=dtype, head_dim=head_dim, group=group, causal=bool(causal),
             has_lse=bool(has_lse), kv_box=0, tile_m_prefill=64, tile_m_decode=64, tile_n=64,
             num_stages=1, num_mma_warpgroups=1, ctas_per_sm=1, producer_regs=0, mma_regs=0,
             window=bool(window), softcap=bool(softcap), has_sinks=bool(has_sinks),
-            o_staging=False,
+            o_staging=False, head_dim_io=io,
         )
         # (ctas, stages, prefill rows), best first; the fold of a key-split item's warps
         # in as few rounds as the K stages hold

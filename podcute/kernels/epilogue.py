@@ -10,7 +10,7 @@ fragment stores, bank-conflict free with padded rows) and writes each row of `ou
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Int64
+from cutlass import Int32, Int64, const_expr
 
 from podcute import layouts
 from podcute.kernels.config import WARPGROUP_THREADS
@@ -21,11 +21,13 @@ STORE_BYTES = 16
 
 @cute.jit
 def store_rows(acc_O: cute.Tensor, thr_mma: cute.ThrMma, sO: cute.Tensor, gO: cute.Tensor,
-               row_base: Int32, n_valid: Int32, barrier_id: Int32):
+               row_base: Int32, n_valid: Int32, barrier_id: Int32,
+               cols: cutlass.Constexpr[int] = 0):
     """Write this warpgroup's (64, D) fp32 tile `acc_O` (already normalised) to rows
     `row_base + r` (r < n_valid) of the packed-row view `gO`, through the warpgroup's
     own staging tile `sO` (64, D) in out's dtype. Every thread of the warpgroup calls
-    it (barriers); `barrier_id` is the warpgroup's own named barrier."""
+    it (barriers); `barrier_id` is the warpgroup's own named barrier. `cols`: out's
+    columns where the tile is wider (KernelConfig.head_dim_io; 0: all)."""
     dtype = sO.element_type
     elem_bytes = dtype.width // 8
     rows, d = cute.size(sO, mode=[0]), cute.size(sO, mode=[1])
@@ -47,8 +49,11 @@ def store_rows(acc_O: cute.Tensor, thr_mma: cute.ThrMma, sO: cute.Tensor, gO: cu
     s_base = sO.iterator.toint()
     # A rolled loop: one row's addresses live at a time (the MMA warpgroups run at their
     # register limit).
+    live = Int32(1)
+    if const_expr(0 < cols < d):
+        live = Int32(col < cols)
     for r in cutlass.range(tidx // chunks_per_row, rows, rows_per_pass, unroll=1):
-        if r < n_valid:
+        if r < n_valid and live != 0:
             src = cute.make_tensor(
                 cute.make_ptr(dtype, s_base + (r * row_stride + col) * elem_bytes,
                               cute.AddressSpace.smem, assumed_align=STORE_BYTES),
@@ -67,10 +72,10 @@ def store_rows(acc_O: cute.Tensor, thr_mma: cute.ThrMma, sO: cute.Tensor, gO: cu
 
 @cute.jit
 def store_fragments(acc_O: cute.Tensor, tOcO: cute.Tensor, gO: cute.Tensor, row_base: Int32,
-                    n_valid: Int32):
+                    n_valid: Int32, cols: cutlass.Constexpr[int] = 0):
     """Write this warpgroup's (64, D) fp32 tile `acc_O` (already normalised) straight from
     its fragments, 2 adjacent columns (4 bytes) at a time: the epilogue of variants with
-    no shared memory to stage through (head_dim 256)."""
+    no shared memory to stage through (head_dim 256). `cols`: as store_rows'."""
     dtype = gO.element_type
     rO = cute.make_rmem_tensor_like(acc_O, dtype)
     rO.store(acc_O.load().to(dtype))
@@ -82,15 +87,26 @@ def store_fragments(acc_O: cute.Tensor, tOcO: cute.Tensor, gO: cute.Tensor, row_
             g_row = gO[row_base + row, None].iterator.toint()
             for c in cutlass.range_constexpr(0, cute.size(rO_mn, mode=[1]), 2):
                 col = tOcO_mn[0, c][1]
-                # (rows are 16-byte aligned, checked by the API; the pair at an even column)
-                dst = cute.make_tensor(
-                    cute.make_ptr(dtype, g_row + Int64(col * (dtype.width // 8)),
-                                  cute.AddressSpace.gmem, assumed_align=4),
-                    cute.make_layout(2))
-                pair = cute.make_rmem_tensor(2, dtype)
-                pair[0] = rO_mn[r, c]
-                pair[1] = rO_mn[r, c + 1]
-                cute.autovec_copy(pair, dst)
+                if const_expr(cols > 0):
+                    if col < cols:
+                        _store_pair(rO_mn, r, c, g_row, col, dtype)
+                else:
+                    _store_pair(rO_mn, r, c, g_row, col, dtype)
+
+
+@cute.jit
+def _store_pair(rO_mn: cute.Tensor, r: cutlass.Constexpr[int], c: cutlass.Constexpr[int],
+                g_row, col, dtype):
+    """Columns c, c + 1 of fragment row r to out's row at `g_row`, column `col`."""
+    # (rows are 16-byte aligned, checked by the API; the pair at an even column)
+    dst = cute.make_tensor(
+        cute.make_ptr(dtype, g_row + Int64(col * (dtype.width // 8)),
+                      cute.AddressSpace.gmem, assumed_align=4),
+        cute.make_layout(2))
+    pair = cute.make_rmem_tensor(2, dtype)
+    pair[0] = rO_mn[r, c]
+    pair[1] = rO_mn[r, c + 1]
+    cute.autovec_copy(pair, dst)
 
 
 @cute.jit

@@ -29,10 +29,16 @@ class RowGather:
     dtype: cutlass.Constexpr
     head_dim: cutlass.Constexpr[int]
     rolled: cutlass.Constexpr[bool]
+    # Columns of a global row (the caller's head dim): the tile's columns past them are
+    # not copied; they stay as zeroed at the kernel's start, or with `zero_rest` each copy
+    # writes zeros there (where the tile's memory serves something else between tiles).
+    cols: cutlass.Constexpr[int]
+    zero_rest: cutlass.Constexpr[bool]
 
     @staticmethod
     def create(dtype, num_rows: int, head_dim: int, num_threads: int, tidx: Int32,
-               threads_per_row: int = 8, rolled: bool = False) -> "RowGather":
+               threads_per_row: int = 8, rolled: bool = False,
+               cols: Optional[int] = None, zero_rest: bool = False) -> "RowGather":
         """`threads_per_row` threads copy a row, 16 B each per pass: 8 make a warp read
         whole 128 B lines (4 rows per warp instruction); fewer leave each thread fewer
         rows to resolve (registers) at half-line granularity. `rolled` copies a thread's
@@ -51,7 +57,8 @@ class RowGather:
         tiled_copy = cute.make_tiled_copy_tv(atom, thr_layout, cute.make_layout((1, elems)))
         thr_copy = tiled_copy.get_slice(tidx)
         tXcX = thr_copy.partition_S(cute.make_identity_tensor((num_rows, head_dim)))
-        return RowGather(tiled_copy, thr_copy, tXcX, dtype, head_dim, rolled)
+        return RowGather(tiled_copy, thr_copy, tXcX, dtype, head_dim, rolled,
+                         head_dim if cols is None else cols, zero_rest)
 
     @property
     def rows_per_thread(self) -> int:
@@ -85,12 +92,27 @@ class RowGather:
         base = gmem_row(m, self.row(m)).iterator.toint()
         for k in cutlass.range_constexpr(cute.size(tXsX, mode=[2])):
             col = self.tXcX[0, m, k][1]
-            if const_expr(l2_policy is not None):
-                # (the DSL's cp.async atom has no L2 hint: the same 16-byte copy in PTX)
-                dst = swizzled_address(tXsX[None, m, k].iterator)
-                cp_async_16_with_policy(dst, base + Int64(col * elem_bytes), l2_policy)
+            if const_expr(self.cols < self.head_dim):
+                if col < self.cols:
+                    self._copy_chunk(tXsX, m, k, base, col, elem_bytes, l2_policy)
+                else:
+                    if const_expr(self.zero_rest):
+                        zero = cute.make_rmem_tensor_like(tXsX[None, m, k])
+                        zero.fill(0)
+                        cute.autovec_copy(zero, tXsX[None, m, k])
             else:
-                src_ptr = cute.make_ptr(self.dtype, base + Int64(col * elem_bytes),
-                                        cute.AddressSpace.gmem, assumed_align=16)
-                src = cute.make_tensor(src_ptr, tXsX[None, m, k].layout)
-                cute.copy(self.tiled_copy, src, tXsX[None, m, k])
+                self._copy_chunk(tXsX, m, k, base, col, elem_bytes, l2_policy)
+
+    @cute.jit
+    def _copy_chunk(self, tXsX: cute.Tensor, m, k: cutlass.Constexpr[int], base, col,
+                    elem_bytes: cutlass.Constexpr[int], l2_policy: Optional[Int64]):
+        """One 16-byte copy: chunk k of this thread's m-th row, from row address `base`."""
+        if const_expr(l2_policy is not None):
+            # (the DSL's cp.async atom has no L2 hint: the same 16-byte copy in PTX)
+            dst = swizzled_address(tXsX[None, m, k].iterator)
+            cp_async_16_with_policy(dst, base + Int64(col * elem_bytes), l2_policy)
+        else:
+            src_ptr = cute.make_ptr(self.dtype, base + Int64(col * elem_bytes),
+                                    cute.AddressSpace.gmem, assumed_align=16)
+            src = cute.make_tensor(src_ptr, tXsX[None, m, k].layout)
+            cute.copy(self.tiled_copy, src, tXsX[None, m, k])

@@ -240,7 +240,10 @@ class PodAttentionSm80(PodKernelBase):
         sVt = cute.composition(
             sV, cute.make_ordered_layout((d, tile_n, stages), order=(1, 0, 2)))
 
-        kv_gather = RowGather.create(self.dtype, tile_n, d, self.num_threads, tidx)
+        # (a narrower head dim: its K/V tiles' other columns written as zeros with every
+        # tile, since a key-split item's fold takes the K stages' memory as its scratch)
+        kv_gather = RowGather.create(self.dtype, tile_n, d, self.num_threads, tidx,
+                                     cols=self.cfg.io_dim, zero_rest=True)
         # Pages of this thread's K/V rows: the current tile's, looked up one tile ahead
         # (the page-table load's latency hides under the tile's S GEMM).
         pages = cute.make_rmem_tensor(kv_gather.rows_per_thread, Int32)
@@ -315,7 +318,8 @@ class PodAttentionSm80(PodKernelBase):
         q_rows = WARP_ROWS if const_expr(m_blocks == 0) else rows
         sQ_rows = cute.local_tile(sQ, (q_rows, d), (0, 0))
         self.load_q(io.mQ, sQ_rows, RowGather.create(self.dtype, q_rows, d, self.num_threads,
-                                                  tidx), item)
+                                                  tidx, cols=self.cfg.io_dim, zero_rest=True),
+                    item)
         # Prologue: K (and with two stages V) of the first `stages` tiles; Q goes with the
         # first. One commit group a tile, empty past n_max, so the wait in the loop counts
         # the same on every path. (The pages are set first: the compiler cannot see that
@@ -619,4 +623,4 @@ class PodAttentionSm80(PodKernelBase):
                 store_lse(lse, tOcO, gLSE, item.row_start, n_rows, tidx)
             gO = layouts.packed_rows(io.mO, item.q_start, item.q_len, item.kv_head,
                                      self.group)
-            store_fragments(acc_O, tOcO, gO, item.row_start, n_rows)
+            store_fragments(acc_O, tOcO, gO, item.row_start, n_rows, self.cfg.head_dim_io)

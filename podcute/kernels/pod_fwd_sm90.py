@@ -65,7 +65,7 @@ from podcute.kernels.pod_kernel import PodKernelBase
 from podcute.kernels.ptx import kept_in_loop, l2_evict_first_policy, l2_policy_read_once
 from podcute.kernels.mma_utils import acc_as_operand_a_layout, rows_cols_view, warpgroup_gemm
 from podcute.kernels.softmax import LOG2_E, OnlineSoftmax, rescale_rows, softcap_scores
-from podcute.kernels.smem import smem_atom, tile_smem_layout
+from podcute.kernels.smem import smem_atom, tile_smem_layout, zero_columns
 from podcute.kernels.visibility import left_mask_until
 from podcute.kernels.work import WorkItem
 
@@ -446,6 +446,14 @@ class PodAttentionSm90(PodKernelBase):
             sQ_mma = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner,
                                            dtype=self.mma_dtype)
         smem_tiles = SmemTiles(sQ, sQ_mma, sK, sV, sK8, sV8)
+        if const_expr(self.cfg.head_dim_io):
+            # A head dim narrower than the tile: the columns past it are zero once, for
+            # the whole launch (no copy writes them), so Q K^T and P V add zeros there.
+            every = cute.arch.thread_idx()[0]
+            for sX in (sQ, sK, sV) + ((sK8, sV8) if const_expr(self.fp8) else ()):
+                zero_columns(sX, self.cfg.head_dim_io, every, self.cfg.num_threads)
+            cute.arch.fence_view_async_shared()
+            cute.arch.sync_threads()
 
         # This CTA's item list is read after setmaxnreg: a value live across the register
         # reallocation goes through local memory (a spill).
@@ -505,7 +513,7 @@ class PodAttentionSm90(PodKernelBase):
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
                 consumer_group=pipeline.CooperativeGroup(
                     pipeline.Agent.Thread, self.num_mma_threads // 32),
-                tx_count=self.tile_n * self.head_dim * self.dtype.width // 8,
+                tx_count=self.tile_n * self.box_pieces * self.box_cols * self.dtype.width // 8,
                 defer_sync=True,
             )
         return pipeline.PipelineCpAsync.create(
@@ -538,6 +546,15 @@ class PodAttentionSm90(PodKernelBase):
         )
 
     @property
+    def box_pieces(self) -> int:
+        """Column blocks a K/V box row is copied in: those holding the caller's columns
+        (a block past them stays as zeroed at the start; one partly past them is
+        zero-filled by TMA). fp8 boxes take whole rows."""
+        if self.fp8:
+            return 1
+        return -(-self.cfg.io_dim // self.box_cols)
+
+    @property
     def box_cols(self) -> int:
         """Columns of a K/V TMA box: one swizzle-atom column block of the 16-bit stage, or
         a whole fp8 row (fp8 staging is unswizzled)."""
@@ -567,10 +584,11 @@ class PodAttentionSm90(PodKernelBase):
         q_gather = RowGather.create(self.dtype, self.tile_m, d, 32 * q_warps,
                                     tidx - 32 * first_q_warp,
                                     threads_per_row=8 if q_warps == 1 else 4,
-                                    rolled=q_warps == 1)
+                                    rolled=q_warps == 1, cols=self.cfg.io_dim)
         kv_gather = None
         if const_expr(not self.tma_kv):
-            kv_gather = RowGather.create(self.kv_dtype, tile_n, d, self.roles.num_loaders, tidx)
+            kv_gather = RowGather.create(self.kv_dtype, tile_n, d, self.roles.num_loaders, tidx,
+                                         cols=self.cfg.io_dim)
         dequant = group = None
         if const_expr(self.fp8):
             group_threads = CONVERTER_GROUP_THREADS
@@ -791,7 +809,7 @@ class PodAttentionSm90(PodKernelBase):
         tiler = (kv_box, self.box_cols)
         tKsK, tKgK = tma_kv_tiles(tma_atom_k, mK, sK, item.kv_head, tiler)
         tVsV, tVgV = tma_kv_tiles(tma_atom_v, mV, sV, item.kv_head, tiler)
-        pieces = cute.size(tKsK, mode=[2])  # column blocks of a box row
+        pieces = self.box_pieces  # column blocks of a box row
         lane = cute.arch.lane_idx()
         # fp8: the warp's lanes look up the boxes of `ahead` tiles at once (lane l: box
         # l % boxes of tile l // boxes of the group), a group ahead: a 64-token fp8 tile
@@ -1482,6 +1500,6 @@ class PodAttentionSm90(PodKernelBase):
                     - self.cfg.num_producer_warpgroups)
             if const_expr(self.cfg.o_staging):
                 store_rows(acc_O, thr_mma_pv, sStage, gO, row_base, n_valid,
-                           Int32(NamedBarrier.WARPGROUP) + wg_u)
+                           Int32(NamedBarrier.WARPGROUP) + wg_u, self.cfg.head_dim_io)
             else:
-                store_fragments(acc_O, tOcO, gO, row_base, n_valid)
+                store_fragments(acc_O, tOcO, gO, row_base, n_valid, self.cfg.head_dim_io)

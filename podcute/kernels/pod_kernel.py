@@ -107,7 +107,7 @@ class PodKernelBase:
         """After a split piece's partials are written: the group's last piece merges them
         into out (split_merge.finish_split), on the `num_threads` computing threads."""
         if item.split_slot >= 0:
-            finish_split(io, plan, item.split_slot, self.group, self.head_dim, tidx,
+            finish_split(io, plan, item.split_slot, self.group, self.cfg.io_dim, tidx,
                          num_threads, barrier_id=NamedBarrier.MMA)
 
     def window_right(self, mIParams: cute.Tensor):

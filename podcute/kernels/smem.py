@@ -9,8 +9,9 @@ ldmatrix reads and the rows a warp's 16-byte copies write fall in distinct banks
 
 from typing import Optional
 
+import cutlass
 import cutlass.cute as cute
-from cutlass import Int32
+from cutlass import Int32, const_expr
 from cutlass._mlir.dialects import cute as _cute_ir
 from cutlass.cutlass_dsl import dsl_user_op
 import cutlass.utils.hopper_helpers as sm90_utils
@@ -42,3 +43,27 @@ def swizzled_address(ptr, *, loc=None, ip=None) -> Int32:
     PTX: `toint` gives the address before the swizzle, which the DSL's own loads and
     stores apply (its `apply_swizzle` op, used here too)."""
     return _cute_ir.apply_swizzle(ptr.value, loc=loc, ip=ip).toint(loc=loc, ip=ip)
+
+
+@cute.jit
+def zero_columns(sX: cute.Tensor, first_col: cutlass.Constexpr[int], tidx: Int32,
+                 num_threads: cutlass.Constexpr[int]):
+    """Zero columns [first_col, cols) of every row (and stage) of the (rows, cols[, stages])
+    shared-memory tile `sX`, in 16-byte pieces (`first_col` a multiple of one), the
+    `num_threads` threads from `tidx` sharing them: the columns past a caller's head dim
+    in a wider tile (KernelConfig.head_dim_io), which no copy writes afterwards. The
+    caller fences and syncs before the tile is read."""
+    elems = 16 // (sX.element_type.width // 8)
+    rows, cols = cute.size(sX, mode=[0]), cute.size(sX, mode=[1])
+    stages = cute.size(sX, mode=[2]) if const_expr(cute.rank(sX) == 3) else 1
+    chunks = (cols - first_col) // elems
+    zero = cute.make_rmem_tensor((1, elems), sX.element_type)
+    zero.fill(0)
+    for i in cutlass.range(tidx, rows * chunks * stages, num_threads, unroll=1):
+        c = first_col // elems + i % chunks
+        r = (i // chunks) % rows
+        if const_expr(cute.rank(sX) == 3):
+            cute.autovec_copy(zero, cute.local_tile(sX[None, None, i // (chunks * rows)],
+                                                    (1, elems), (r, c)))
+        else:
+            cute.autovec_copy(zero, cute.local_tile(sX, (1, elems), (r, c)))

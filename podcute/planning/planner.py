@@ -251,7 +251,7 @@ class Planner(WorkExpansion):
         self._page_staging = self._page_staging_t.numpy()
         self._segs = segs
         self._merge_sem = torch.zeros(cap.merges, dtype=torch.int32, device=dev)
-        D, tm = cfg.head_dim, cfg.kernel.partial_rows
+        D, tm = cfg.kernel.head_dim, cfg.kernel.partial_rows  # (the tile's: whole fragments)
         self._partial_o = torch.empty(cap.slots, tm, D, dtype=torch.float32, device=dev)
         self._partial_lse = torch.empty(cap.slots, tm, dtype=torch.float32, device=dev)
         self.capacity = cap
