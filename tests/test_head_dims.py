@@ -35,12 +35,12 @@ def test_other_head_dims_are_refused_by_name(d):
         KernelConfig.select("bfloat16", d, 4)
 
 
-def test_fp8_caches_need_multiples_of_16():
-    for d in (48, 80, 112, 160, 240):
+def test_fp8_caches_keep_the_tile_widths():
+    for d in (64, 96, 128, 256):
         c = KernelConfig.select("bfloat16", d, 4, page_size=16, kv_dtype="float8_e4m3fn")
-        assert c.fp8 and c.io_dim == d and c.can_implement() == (True, "")
-    for d in (40, 72, 88):
-        with pytest.raises(NotImplementedError, match=f"head_dim {d}.*multiple of 16"):
+        assert c.fp8 and c.io_dim == d and c.head_dim_io == 0
+    for d in (40, 80, 112, 160):
+        with pytest.raises(NotImplementedError, match=f"fp8 KV caches at head_dim {d}"):
             PODAttention(8, 2, d, 16, device="cpu", kv_dtype=torch.float8_e4m3fn)
 
 
