@@ -141,8 +141,8 @@ def main(argv=None) -> int:
                         help="compile: comma-separated GQA groups (default: 1,4,7,8)")
     parser.add_argument("--kv-dtypes", default=None,
                         help="compile: comma-separated KV cache types, 'none' (the cache in "
-                             "q's dtype) or float8_e4m3fn / float8_e5m2 (fp8 caches: every "
-                             "head dim)")
+                             "q's dtype) or float8_e4m3fn / float8_e5m2 (fp8 caches: head "
+                             "dims 64, 96, 128, 256)")
     parser.add_argument("--dtypes", default=None,
                         help="compile: comma-separated query/output types (default: "
                              "bfloat16; float16 compiles on first use unless listed)")

@@ -12,7 +12,7 @@ import re
 import torch
 
 from podcute.kernels.config import (FP8_KV_DTYPES, HEAD_DIM_STEP, MAX_HEAD_DIM,
-                                    SUPPORTED_PAGE_SIZES)
+                                    SUPPORTED_PAGE_SIZES, tile_head_dim)
 from podcute.planning import F32_MAX, F32_TINY
 
 __all__ = ["KV_LAYOUTS", "DTYPES", "FP8_DTYPES", "check_int", "check_head_dim", "check_sm_scale",
@@ -52,9 +52,10 @@ def _check_size(value, supported: tuple, name: str) -> None:
 def check_head_dim(head_dim, name: str = "head_dim") -> None:
     """A head dim podcute serves: a multiple of 8 up to 256 (each on the next compiled tile,
     config.tile_head_dim; rows of 16 bytes, which the copies need): _check_size."""
-    if type(head_dim) is int and head_dim % HEAD_DIM_STEP == 0 and 0 < head_dim <= MAX_HEAD_DIM:
-        return
-    _check_size(head_dim, (f"multiples of {HEAD_DIM_STEP} up to {MAX_HEAD_DIM}",), name)
+    try:
+        tile_head_dim(head_dim)
+    except ValueError:
+        _check_size(head_dim, (f"multiples of {HEAD_DIM_STEP} up to {MAX_HEAD_DIM}",), name)
 
 
 def check_page_size(page_size, name: str = "page_size") -> None:

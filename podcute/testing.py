@@ -404,8 +404,6 @@ def feature_test_variants():
 
 # ---- the fp8 KV cache GPU cases (tests/test_fp8_gpu.py; perf.warm_cache compiles them) ----
 
-# check_fp8()'s defaults: an e4m3 cache with per-KV-head float32 scales, 8/2 heads, D 128,
-# page 16, bf16 queries, causal.
 # Head dims between the compiled tiles (tests/test_kernel_gpu.py::test_head_dims_between_tiles,
 # perf.warm_cache): TMA boxes of 16 and whole tiles, the gather, D 256's tile half used,
 # a column block never copied (160, 192 on the 256 tile), fp16, CSR/HND, non-causal.
@@ -416,6 +414,8 @@ HEAD_SIZE_CASES = [
     dict(d=224, page=128, hq=16, hkv=2, dtype=torch.float16),
 ]
 
+# check_fp8()'s defaults: an e4m3 cache with per-KV-head float32 scales, 8/2 heads, D 128,
+# page 16, bf16 queries, causal.
 FP8_DEFAULTS = dict(hq=8, hkv=2, d=128, page=16, dtype=torch.bfloat16, causal=True,
                     kv="e4m3", scale="per_head", window_size=(-1, -1), softcap=0.0,
                     sinks=False)

@@ -55,14 +55,16 @@ def check_fp8_kv(head_dim: int, kv_dtype: str) -> None:
         raise NotImplementedError(f"fp8 KV caches at head_dim {head_dim} are not supported by "
                                   f"podcute (supported: head_dim in {FP8_HEAD_DIMS})")
 
-def tile_head_dim(head_dim: int, tiles: tuple = SUPPORTED_HEAD_DIMS) -> int:
-    """The compiled head dim that serves a caller's `head_dim` (a multiple of 8 up to 256):
-    the smallest of `tiles` at least as wide; ValueError for another head dim."""
-    if (not isinstance(head_dim, int) or head_dim % HEAD_DIM_STEP or
-            not HEAD_DIM_STEP <= head_dim <= max(tiles)):
-        raise ValueError(f"head_dim must be a multiple of {HEAD_DIM_STEP} up to {max(tiles)}, "
-                         f"got {head_dim}")
-    return min(t for t in tiles if t >= head_dim)
+
+def tile_head_dim(head_dim: int) -> int:
+    """The compiled head dim (a tile of SUPPORTED_HEAD_DIMS) that serves a caller's
+    `head_dim`, the smallest at least as wide; ValueError unless `head_dim` is a multiple
+    of HEAD_DIM_STEP up to MAX_HEAD_DIM (the one rule: checks.check_head_dim asks it)."""
+    if (type(head_dim) is not int or head_dim % HEAD_DIM_STEP
+            or not 0 < head_dim <= MAX_HEAD_DIM):
+        raise ValueError(f"head_dim must be a multiple of {HEAD_DIM_STEP} up to "
+                         f"{MAX_HEAD_DIM}, got {head_dim}")
+    return min(t for t in SUPPORTED_HEAD_DIMS if t >= head_dim)
 
 
 def arch_head_dims(arch: str) -> tuple:
