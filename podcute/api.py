@@ -115,8 +115,8 @@ class PODAttention:
     def plan(self, cu_seqlens_q, kv_lens=None, block_table=None, kv_indptr=None,
              kv_indices=None, last_page_len=None, causal: bool = True,
              sm_scale: float | None = None, *, window_size=(-1, -1), softcap: float = 0.0,
-             batch_invariant: bool = False, _kv_name: str = "kv_lens",
-             _second_cache_requests: int = 0) -> PlanSummary:
+             batch_invariant: bool = False, share_prefixes: bool = True,
+             _kv_name: str = "kv_lens", _second_cache_requests: int = 0) -> PlanSummary:
         """Plan a batch. `cu_seqlens_q` int32 [B+1]; KV lengths from `kv_lens` int32 [B] or
         FlashInfer's `last_page_len` (with CSR pages); pages from `block_table` int32
         [B, max_pages] or CSR `kv_indptr` [B+1] + `kv_indices`. Index tensors may live on
@@ -125,7 +125,9 @@ class PODAttention:
         `window_size=(left, right)`: sliding window, FlashAttention's convention (-1 =
         unbounded); `softcap > 0`: logits soft-capped to softcap * tanh(s / softcap);
         `batch_invariant`: a request's output is bitwise the same whatever shares its
-        batch (docs/contract.md). A plan serves the layers that share these.
+        batch (docs/contract.md); `share_prefixes`: leading pages that several requests
+        share are attended once for all of them (the default; False plans each request on
+        its own: docs/notes/shared-prefix.md). A plan serves the layers that share these.
         `_second_cache_requests` (internal: podcute.compat's BatchPOD wrapper): requests
         [0, n) read a second cache when run() is given one (`_second_cache`)."""
         # One pass over what a serving loop passes (int32 CPU tensors of the right ranks and
@@ -143,7 +145,7 @@ class PODAttention:
                                        last_page_len=last_page_len, causal=causal,
                                        sm_scale=sm_scale, window_size=window_size,
                                        softcap=softcap, batch_invariant=batch_invariant,
-                                       _kv_name=_kv_name,
+                                       share_prefixes=share_prefixes, _kv_name=_kv_name,
                                        _second_cache_requests=_second_cache_requests)
         del old
         self._page_arg = "block_table" if block_table is not None else "kv_indices"
@@ -369,7 +371,7 @@ class PODAttention:
             self._device_ok = True
         if not self.planner.frozen and torch.cuda.is_current_stream_capturing():
             # the graph holds the buffers' addresses, and this plan's kernel variant
-            self.planner.freeze(plan.options)
+            self.planner.freeze(plan.options, plan.shares)
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if return_lse and lse is None:

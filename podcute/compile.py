@@ -146,7 +146,7 @@ def _fake_args(key: VariantKey):
     plan = PlanTensors(mWork=work, mCtaPtr=ivec(), mQStart=ivec(), mKvLen=ivec(),
                        mPageStart=ivec(), mPageList=ivec(), mPartialO=partial_o,
                        mPartialLSE=partial_lse, mMerge=merge, mSlotMerge=ivec(),
-                       mMergeSem=ivec(), mParams=params, mIParams=iparams,
+                       mMergeSem=ivec(), mParams=params, mIParams=iparams, mShared=ivec(),
                        page_shift=cutlass.Int32(4))
     # The compiled signature (kernels/args.py): both bundles flat, the grid, the stream.
     return (*io, *plan, cutlass.Int32(1), stream)

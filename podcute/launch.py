@@ -80,16 +80,16 @@ _variants: dict = {}
 
 
 def _kernel(device, dtype, plan_config, options, has_lse: bool, has_sinks: bool,
-            ragged_kv: bool = False, second_cache: bool = False):
+            ragged_kv: bool = False, second_cache: bool = False, shared: bool = False):
     """The compiled kernel for a plan's configuration: a dict hit after the first call."""
     facts = (device, dtype, id(plan_config), options.variant, has_lse, has_sinks, ragged_kv,
-             second_cache)
+             second_cache, shared)
     hit = _variants.get(facts)
     if hit is None or hit[0] is not plan_config:
         require_arch(device, plan_config.kernel.arch)
         cfg = plan_config.kernel.with_flags(has_lse=has_lse, has_sinks=has_sinks,
                                             ragged_kv=ragged_kv, second_cache=second_cache,
-                                            **options.kernel_flags())
+                                            shared_prefix=shared, **options.kernel_flags())
         hit = (plan_config, compile_variant(VariantKey.make(cfg)))
         _variants[facts] = hit
     return hit[1]
@@ -116,9 +116,13 @@ def launch(plan, q, k_cache, v_cache, out, lse, kv_layout: str = "NHD", sinks=No
              | (second_cache is not None) << 3)
     pod = plan._kernels[flags]
     if pod is None:
+        if plan.shares and (ragged_kv is not None or second_cache is not None):
+            raise ValueError("a plan that shares prefixes runs over one paged cache: plan "
+                             "with share_prefixes=False for a second K/V source")
         pod = plan._kernels[flags] = _kernel(q.device, q.dtype, plan.config, plan.options,
                                              lse is not None, sinks is not None,
-                                             ragged_kv is not None, second_cache is not None)
+                                             ragged_kv is not None, second_cache is not None,
+                                             plan.shares)
     k2, v2 = ragged_kv if ragged_kv is not None else second_cache or (None, None)
     if kv_layout == "HND":
         # The kernel addresses (page, slot, head, dim); HND is that view with two strides

@@ -488,3 +488,189 @@ def decode_evict_first_from_env():
     if value in ("0", "1"):
         return decode_evict_first(value == "1")
     return contextlib.nullcontext()
+
+
+def make_shared_prefix_batch(rng: random.Random, *, num_qo_heads, num_kv_heads, head_dim,
+                             page_size, num_groups=2, sharers=(2, 6), prefix_pages=(16, 40),
+                             sub_share=0.5, own_tokens=(1, 200), spec=0.2, others=2,
+                             dtype=torch.bfloat16, page_format="table", shuffle=True,
+                             device="cpu"):
+    """A batch whose decode requests share leading pages: `num_groups` prefixes (each
+    `prefix_pages` pages) with `sharers` requests each, some of them (`sub_share`)
+    sharing a longer prefix with a neighbour (a second level), each with its own
+    `own_tokens` more (the first own page may be partially filled), a few with 2-4 query
+    tokens (speculative, `spec`), plus `others` requests that share nothing (one of them
+    a prefill). Pages are random in a pool of random K/V; requests in a random order
+    (`shuffle`). Returns a Batch (block table or CSR)."""
+    Hq, Hkv, D, ps = num_qo_heads, num_kv_heads, head_dim, page_size
+    next_page = [0]
+
+    def pages(n):
+        p = list(range(next_page[0], next_page[0] + n))
+        next_page[0] += n
+        return p
+
+    reqs = []  # (q_len, page list, kv_len)
+    for _ in range(num_groups):
+        prefix = pages(rng.randint(*prefix_pages))
+        n = rng.randint(*sharers)
+        sub = None
+        for i in range(n):
+            pre = prefix
+            if rng.random() < sub_share:
+                if sub is None:
+                    sub = prefix + pages(rng.randint(16, 24))
+                pre = sub
+            q = rng.randint(2, 4) if rng.random() < spec else 1
+            own = rng.randint(*own_tokens) + q
+            reqs.append((q, pre + pages(-(-own // ps)), len(pre) * ps + own))
+    for j in range(others):
+        q = 300 if j == 0 else 1
+        kv = rng.randint(q, 2000)
+        reqs.append((q, pages(-(-kv // ps)), kv))
+    if shuffle:
+        rng.shuffle(reqs)
+    g = torch.Generator().manual_seed(rng.randint(0, 2**31))
+    num_pages = next_page[0] + 3
+    k = torch.randn(num_pages, ps, Hkv, D, generator=g).to(dtype)
+    v = torch.randn(num_pages, ps, Hkv, D, generator=g).to(dtype)
+    q_lens = [r[0] for r in reqs]
+    kv_lens = [r[2] for r in reqs]
+    T = sum(q_lens)
+    q = torch.randn(T, Hq, D, generator=g).to(dtype)
+    cu = torch.tensor([0] + list(np.cumsum(q_lens)), dtype=torch.int32)
+    kvl = torch.tensor(kv_lens, dtype=torch.int32)
+    need = [-(-kv // ps) for kv in kv_lens]
+    table = indptr = indices = None
+    if page_format == "table":
+        width = max(len(r[1]) for r in reqs)
+        table = torch.zeros(len(reqs), width, dtype=torch.int32)
+        for i, r in enumerate(reqs):
+            table[i, : len(r[1])] = torch.tensor(r[1], dtype=torch.int32)
+    else:
+        indptr = torch.tensor([0] + list(np.cumsum(need)), dtype=torch.int32)
+        indices = torch.tensor([p for r, n in zip(reqs, need) for p in r[1][:n]],
+                               dtype=torch.int32)
+    last = torch.tensor([kv - (n - 1) * ps if n else 0 for kv, n in zip(kv_lens, need)],
+                        dtype=torch.int32)
+    dev = torch.device(device)
+    return Batch(q=q.to(dev), k_cache=k.to(dev), v_cache=v.to(dev), cu_seqlens_q=cu,
+                 seqused_k=kvl, block_table=table, kv_indptr=indptr, kv_indices=indices,
+                 last_page_len=last, kv_layout="NHD", q_lens=tuple(q_lens),
+                 kv_lens=tuple(kv_lens))
+
+
+def execute_plan(plan, q, k_cache, v_cache, sinks=None, softcap=0.0):
+    """The kernel's contract over a plan's metadata, in float64 on the CPU (NHD caches):
+    every work item attends its rows to its KV range and writes out/lse or partials, the
+    split pieces count into their merges (feed rows into their sharers'), and every merge
+    that completed combines its terms. Checks the counts as it goes. Returns (out, lse).
+    For tests of the planner: a plan that passes this computes the batch's attention."""
+    from podcute.kernels.metadata import (DECODE_INDEX_MASK, KIND_BITS, SHARE_FIELD_MASK,
+                                          SHARE_OWN_BIT, SHARE_RANK_SHIFT, SHARE_ROW_SHIFT,
+                                          IParam, MergeCol, WorkCol)
+    buf = plan._buffers
+    cfg = plan.config
+    G, ps = cfg.group_size, cfg.page_size
+    opts = plan.options
+    work = buf["work"][: plan.num_items].cpu().numpy().astype(np.int64)
+    merge = buf["merge"].cpu().numpy().astype(np.int64)
+    slot_merge = buf["slot_merge"].cpu().numpy().astype(np.int64)
+    qs_ = buf["q_start"].cpu().numpy().astype(np.int64)
+    kvl_ = buf["kv_len"].cpu().numpy().astype(np.int64)
+    pst_ = buf["page_start"].cpu().numpy().astype(np.int64)
+    plist = buf["page_list"].cpu().numpy().astype(np.int64)
+    shared = buf["shared"].cpu().numpy().astype(np.int64)
+    vbase = int(buf["iparams"].cpu().numpy()[IParam.VIRTUAL_REQUESTS]) if plan.shares else 1 << 62
+    scale = plan.sm_scale
+    T, Hq, D = q.shape
+    qd, kd, vd = q.double().cpu(), k_cache.double().cpu(), v_cache.double().cpu()
+    out = torch.zeros(T, Hq, D, dtype=torch.float64)
+    lse = torch.full((T, Hq), -math.inf, dtype=torch.float64)
+    part_o, part_lse, counts = {}, {}, {}
+    right = opts.right if opts.bounded_right else None
+
+    def rows_of(req, r0, r1, h):
+        qs, ql = qs_[req], qs_[req + 1] - qs_[req]
+        tok = np.arange(r0, r1) // G
+        heads = h * G + np.arange(r0, r1) % G
+        qtok = shared[qs + tok] if req >= vbase else qs + tok
+        return qtok, heads, tok, ql
+
+    for i in range(work.shape[0]):
+        req, h, r0, r1, ks, ke, slot, kind = (int(x) for x in work[i])
+        qtok, heads, tok, ql = rows_of(req, r0, r1, h)
+        kl = kvl_[req]
+        keys = np.arange(ks, ke)
+        pages = plist[pst_[req] + keys // ps]
+        K = kd[pages, keys % ps, h]  # [n, D]
+        V = vd[pages, keys % ps, h]
+        Q = qd[qtok, heads]  # [r, D]
+        s = (Q @ K.T) * scale
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        pos = torch.from_numpy(kl - ql + tok)[:, None]
+        kk = torch.from_numpy(keys)[None, :]
+        mask = torch.ones_like(s, dtype=torch.bool)
+        if right is not None:
+            mask &= kk <= pos + right
+        if opts.window_left >= 0:
+            mask &= kk >= pos - opts.window_left
+        s = s.masked_fill(~mask, -math.inf)
+        m = s.max(dim=1, keepdim=True).values if s.shape[1] else torch.full((s.shape[0], 1), -math.inf, dtype=torch.float64)
+        m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        p = torch.exp(s - m_safe)
+        l = p.sum(1, keepdim=True)
+        o = (p @ V) / torch.where(l > 0, l, torch.ones_like(l))
+        row_lse = torch.where(l[:, 0] > 0, m_safe[:, 0] + torch.log(l[:, 0]), torch.full_like(l[:, 0], -math.inf))
+        if slot < 0:
+            if sinks is not None:
+                sk = sinks[heads].double()
+                new = torch.logaddexp(row_lse, sk)
+                o = o * torch.exp(row_lse - new)[:, None]
+                row_lse = new
+            out[qtok, heads] = o
+            lse[qtok, heads] = row_lse
+            continue
+        own = (kind >> SHARE_OWN_BIT) & 1
+        row0 = ((kind >> SHARE_ROW_SHIFT) & SHARE_FIELD_MASK) if own else 0
+        mrow = slot_merge[slot] + (((kind >> SHARE_RANK_SHIFT) & SHARE_FIELD_MASK) if own else 0)
+        for j in range(r1 - r0):
+            part_o[(slot, row0 + j)] = o[j]
+            part_lse[(slot, row0 + j)] = row_lse[j]
+        if plan.shares and merge[mrow, MergeCol.FEED_COUNT] > 0:
+            f0, fc = merge[mrow, MergeCol.FEED_FIRST], merge[mrow, MergeCol.FEED_COUNT]
+            for mm in range(f0, f0 + fc):
+                counts[mm] = counts.get(mm, 0) + 1
+        else:
+            counts[mrow] = counts.get(mrow, 0) + 1
+    for mm, c in counts.items():
+        want = merge[mm, MergeCol.WAIT] if plan.shares else merge[mm, MergeCol.NUM_SPLITS]
+        assert c == want, f"merge {mm}: {c} pieces counted, waits for {want}"
+        req, h = merge[mm, MergeCol.REQ], merge[mm, MergeCol.KV_HEAD]
+        rs, re_ = merge[mm, MergeCol.ROW_START], merge[mm, MergeCol.ROW_END]
+        terms = []
+        if plan.shares:
+            tf, tc = merge[mm, MergeCol.TERMS_FIRST], merge[mm, MergeCol.TERMS_COUNT]
+            terms = [(shared[tf + 2 * t], shared[tf + 2 * t + 1]) for t in range(tc)]
+            own_row = merge[mm, MergeCol.OWN_ROW]
+        else:
+            own_row = 0
+        f, ns = merge[mm, MergeCol.FIRST_SLOT], merge[mm, MergeCol.NUM_SPLITS]
+        terms += [(f + s, own_row) for s in range(ns)]
+        qtok, heads, _, _ = rows_of(req, rs, re_, h)
+        for j in range(re_ - rs):
+            ls = torch.stack([part_lse[(s, r + j)] for s, r in terms])
+            os_ = torch.stack([part_o[(s, r + j)] for s, r in terms])
+            if sinks is not None:
+                ls = torch.cat([ls, sinks[heads[j]].double().reshape(1)])
+                os_ = torch.cat([os_, torch.zeros(1, D, dtype=torch.float64)])
+            mx = ls.max()
+            if not torch.isfinite(mx):
+                out[qtok[j], heads[j]] = 0
+                lse[qtok[j], heads[j]] = -math.inf
+                continue
+            w = torch.exp(ls - mx)
+            out[qtok[j], heads[j]] = (w[:, None] * os_).sum(0) / w.sum()
+            lse[qtok[j], heads[j]] = mx + torch.log(w.sum())
+    return out, lse

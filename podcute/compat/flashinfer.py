@@ -859,7 +859,7 @@ class PODWithPagedKVCacheWrapper(_Wrapper):
                       last_page_len=np.concatenate(([kv_len - (n0 - 1) * page], last)
                                                    ).astype(np.int32),
                       causal=causal_p, sm_scale=decode.current_plan.sm_scale,
-                      window_size=window_p)
+                      window_size=window_p, share_prefixes=False)  # (ragged request 0)
         self._fused, self._fused_key = attn, (q_len, kv_len, causal_p, sm_scale_p, window_p)
 
     def _check_prefill(self, q_p, k_p, v_p, kv_layout_p) -> int:

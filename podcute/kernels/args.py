@@ -57,4 +57,8 @@ class PlanTensors(NamedTuple):
     mMergeSem: cute.Tensor  # [merges] int32 semaphores, zero between launches
     mParams: cute.Tensor  # [NUM_PARAMS] fp32 (metadata.Param)
     mIParams: cute.Tensor  # the same words as int32 (metadata.IParam)
+    # int32 lists of a `shared_prefix` plan (planning/sharing.py): each shared-prefix
+    # tile's query tokens (from mQStart of its request) and each sharer merge's (slot,
+    # partial row) prefix terms (from MergeCol.TERMS_FIRST)
+    mShared: cute.Tensor
     page_shift: Int32  # log2(page_size): page sizes are powers of two

@@ -77,7 +77,7 @@ def arch_head_dims(arch: str) -> tuple:
 # (`ragged_kv`, FlashInfer's legacy POD wrapper) and "cache2" (`second_cache`, its BatchPOD
 # wrapper with separate prefill and decode caches).
 FEATURES = {"window": "window", "softcap": "softcap", "sinks": "has_sinks",
-            "ragged": "ragged_kv", "cache2": "second_cache"}
+            "ragged": "ragged_kv", "cache2": "second_cache", "shared": "shared_prefix"}
 
 WARPGROUP_THREADS = 128
 # Hopper: 227 KB of shared memory per CTA (opt-in), 64K 32-bit registers per SM.
@@ -156,6 +156,11 @@ class KernelConfig:
     # in one launch): requests [0, IParam.SECOND_CACHE_REQUESTS) of the plan read their
     # K/V from it, through the same page table and page size; the others from the first.
     second_cache: bool = False
+    # Shared prefixes read once (planning/sharing.py): the plan's requests from
+    # IParam.VIRTUAL_REQUESTS on are prefix tiles whose query rows come from several
+    # requests (a token list), a sharer's own pieces write partials at a row offset, and
+    # merges take prefix terms (metadata.MergeCol).
+    shared_prefix: bool = False
     # The caller's head dim where it is narrower than the tile's (`head_dim`): its rows
     # fill the first `head_dim_io` columns of each tile, the rest stay zero in shared
     # memory (never copied, so Q K^T and P V see zeros there) and are never stored. 0: the
@@ -294,6 +299,9 @@ class KernelConfig:
                            f"{HEAD_DIM_STEP} below the tile's head_dim {self.head_dim}")
         if self.ragged_kv and self.second_cache:
             return False, "one second K/V source: ragged_kv or second_cache, not both"
+        if self.shared_prefix and (self.ragged_kv or self.second_cache or self.warp_mma):
+            return False, ("shared_prefix: the sm_90a kernel over one paged cache (no second "
+                           "K/V source)")
         # (combine_rounds splits a thread's O columns, D / 4 with 2 rows each in an m64
         # wgmma and an m16 mma.sync accumulator alike, into even chunks)
         o_cols = self.head_dim // 4
@@ -334,11 +342,18 @@ class KernelConfig:
                causal: bool = True, has_lse: bool = False, page_size: int = 16,
                arch: str = "sm_90a", *, window: bool = False, softcap: bool = False,
                has_sinks: bool = False, kv_dtype: str = "",
-               ragged_kv: bool = False, second_cache: bool = False) -> "KernelConfig":
+               ragged_kv: bool = False, second_cache: bool = False,
+               shared_prefix: bool = False) -> "KernelConfig":
         """The configuration podcute runs for these facts (raises ValueError if none).
         `kv_dtype`: "" for a cache in q's dtype, else its fp8 type (FP8_KV_DTYPES).
         `ragged_kv`, `second_cache`: the same tiling with a second K/V source (no fp8
-        cache)."""
+        cache); `shared_prefix`: the same tiling, for plans that share prefixes."""
+        if shared_prefix:
+            return KernelConfig.select(
+                dtype, head_dim, group, causal, has_lse, page_size, arch, window=window,
+                softcap=softcap, has_sinks=has_sinks, kv_dtype=kv_dtype,
+                ragged_kv=ragged_kv, second_cache=second_cache,
+            ).with_flags(shared_prefix=True)._checked()
         if ragged_kv or second_cache:
             return KernelConfig.select(
                 dtype, head_dim, group, causal, has_lse, page_size, arch, window=window,

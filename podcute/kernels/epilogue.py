@@ -124,9 +124,10 @@ def store_lse(lse: cute.Tensor, tOcO: cute.Tensor, gLSE: cute.Tensor, row_base: 
 @cute.jit
 def store_partial(acc_O: cute.Tensor, lse: cute.Tensor, tOcO: cute.Tensor,
                   mPartialO: cute.Tensor, mPartialLSE: cute.Tensor, slot: Int32,
-                  row_offset: Int32, n_rows: Int32, tidx: Int32):
+                  row_offset: Int32, n_rows: Int32, tidx: Int32, dest_row=0):
     """fp32 partial O and LSE of a split piece: tile row `row_offset + r` goes to row
-    `row_offset + r` of split slot `slot` (rows below `n_rows`, the item's)."""
+    `dest_row + row_offset + r` of split slot `slot` (rows below `n_rows`, the item's;
+    `dest_row`: a sharer's own piece's row in its packed slot, planning/sharing.py)."""
     tOcO_mn = rows_cols_view(tOcO)
     acc_O_mn = rows_cols_view(acc_O)
     gO = layouts.partial_rows(mPartialO, slot)
@@ -135,9 +136,9 @@ def store_partial(acc_O: cute.Tensor, lse: cute.Tensor, tOcO: cute.Tensor,
         row = row_offset + tOcO_mn[r, 0][0]
         if row < n_rows:
             for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
-                gO[row, tOcO_mn[0, c][1]] = acc_O_mn[r, c]
+                gO[dest_row + row, tOcO_mn[0, c][1]] = acc_O_mn[r, c]
             if tidx % 4 == 0:
-                gLSE[row] = lse[r]
+                gLSE[dest_row + row] = lse[r]
 
 
 def staging_tile(base_ptr: cute.Pointer, dtype, rows: int, head_dim: int, row_elems: int):

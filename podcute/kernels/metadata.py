@@ -29,7 +29,15 @@ WORK_COLS = len(WorkCol)
 
 
 class MergeCol(IntEnum):
-    """One split-KV merge group: its rows and its slots [FIRST_SLOT, + NUM_SPLITS)."""
+    """One split-KV merge group: its rows and its slots [FIRST_SLOT, + NUM_SPLITS).
+
+    The columns from OWN_ROW on are read only by a `shared_prefix` kernel variant
+    (planning/sharing.py, docs/notes/shared-prefix.md), and written by a plan that runs one:
+    a sharer's merge reads its own slots from partial row OWN_ROW on, first its prefix
+    partials, the TERMS_COUNT (slot, row) pairs of mTerms from TERMS_FIRST, and completes
+    after WAIT pieces (= NUM_SPLITS + TERMS_COUNT; = NUM_SPLITS in a merge without terms).
+    A shared prefix piece's merge row is a *feed* row (FEED_COUNT > 0): it is never merged
+    itself; the piece counts into the sharers' merges [FEED_FIRST, + FEED_COUNT)."""
 
     REQ = 0
     KV_HEAD = 1
@@ -37,6 +45,12 @@ class MergeCol(IntEnum):
     ROW_END = 3
     FIRST_SLOT = 4
     NUM_SPLITS = 5
+    OWN_ROW = 6
+    WAIT = 7
+    TERMS_FIRST = 8
+    TERMS_COUNT = 9
+    FEED_FIRST = 10
+    FEED_COUNT = 11
 
 
 MERGE_COLS = len(MergeCol)
@@ -49,6 +63,15 @@ class Kind(IntEnum):
 
 KIND_BITS = 1
 KIND_MASK = (1 << KIND_BITS) - 1
+# A decode item's ordinal sits in bits [KIND_BITS, SHARE_ROW_SHIFT). A sharer's own piece
+# (a `shared_prefix` plan) also carries SHARE_OWN_BIT, the partial row its rows start at in
+# its slot (SHARE_ROW_SHIFT) and its merge's offset from the slot's (SHARE_RANK_SHIFT):
+# the own pieces of the requests that share one prefix tile pack into one slot each.
+SHARE_ROW_SHIFT = 16
+SHARE_RANK_SHIFT = 23
+SHARE_OWN_BIT = 30
+SHARE_FIELD_MASK = (1 << 7) - 1  # row and rank: < 128 (a tile's rows)
+DECODE_INDEX_MASK = (1 << (SHARE_ROW_SHIFT - KIND_BITS)) - 1
 
 
 class Param(IntEnum):
@@ -75,6 +98,9 @@ class IParam(IntEnum):
     # the second paged cache (FlashInfer's BatchPOD with separate prefill and decode
     # caches), the others from the first.
     SECOND_CACHE_REQUESTS = 6
+    # A `shared_prefix` plan: requests from this index on are shared-prefix tiles, whose
+    # query rows are the token list mQTokens[mQStart[r]:mQStart[r + 1]] (sharing.py).
+    VIRTUAL_REQUESTS = 7
 
 
 NUM_FLOAT_PARAMS = 4

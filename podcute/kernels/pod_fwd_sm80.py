@@ -257,7 +257,7 @@ class PodAttentionSm80(PodKernelBase):
         warp_id = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         cta = cute.arch.block_idx()[0]
         for i in cutlass.range(plan.mCtaPtr[cta], plan.mCtaPtr[cta + 1], unroll=1):
-            item = WorkItem.load(plan, i)
+            item = WorkItem.load(plan, i, self.cfg.shared_prefix)
             n_rows = item.row_end - item.row_start
             # Each path holds only its own rows' O and softmax state (a 128-row item's O
             # is 128 registers a thread: live through the other paths, it would leave

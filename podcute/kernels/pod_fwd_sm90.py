@@ -636,9 +636,9 @@ class PodAttentionSm90(PodKernelBase):
             sK_in, sV_in, pipe_k_in, pipe_v_in = smem.sK8, smem.sV8, pipes.k8, pipes.v8
         kv_count = Int32(0)  # K/V tiles produced so far
         for i in cutlass.range(item_begin, item_end, unroll=1):
-            item = WorkItem.load(plan, i)
+            item = WorkItem.load(plan, i, self.cfg.shared_prefix)
             load_q = partial(self.produce_q, io.mQ, smem.sQ, q_gather, pipes.q, item,
-                             i - item_begin)
+                             i - item_begin, plan)
             if const_expr(roles & ROLE_Q):
                 if const_expr(q_warps == self.cfg.num_producer_threads // 32):
                     load_q()  # every producer warp
@@ -767,11 +767,13 @@ class PodAttentionSm90(PodKernelBase):
                             pipe8.consumer_release(s8)
 
     @cute.jit
-    def produce_q(self, mQ, sQ, q_gather, pipeline_q, item: WorkItem, q_count: Int32):
+    def produce_q(self, mQ, sQ, q_gather, pipeline_q, item: WorkItem, q_count: Int32,
+                  plan: PlanTensors):
         """cp.async gather of an item's packed Q rows into sQ (its `q_count`-th Q stage use).
         A prefill item's rows fill the tile (each MMA warpgroup reads its 64); a decode
         item's rows go to both halves (both warpgroups hold all of them). Rows past the
-        item's end repeat its last row (valid memory, never stored)."""
+        item's end repeat its last row (valid memory, never stored). A shared-prefix
+        tile's rows are its sharers' (tokens from the plan's list, planning/sharing.py)."""
         mQ_rows = layouts.packed_rows(mQ, item.q_start, item.q_len, item.kv_head, self.group)
         last_row = item.row_end - 1
         row_mask = Int32(self.tile_m - 1)
@@ -779,10 +781,23 @@ class PodAttentionSm90(PodKernelBase):
             row_mask = Int32(WG_ROWS - 1)
         q_state = stage(q_count, 1, producer=True)
         pipeline_q.producer_acquire(q_state)
-        q_gather.copy_rows(
-            sQ,
-            lambda m, r: mQ_rows[cutlass.min(item.row_start + (r & row_mask), last_row), None],
-        )
+
+        def own_row(m, r):
+            return mQ_rows[cutlass.min(item.row_start + (r & row_mask), last_row), None]
+
+        if const_expr(self.cfg.shared_prefix):
+            if item.is_prefix_tile(plan.mIParams):
+                def tile_row(m, r):
+                    tok, g = layouts.packed_coord(
+                        cutlass.min(item.row_start + (r & row_mask), last_row), self.group)
+                    return mQ[plan.mShared[item.q_start + tok], item.kv_head * self.group + g,
+                              None]
+
+                q_gather.copy_rows(sQ, tile_row)
+            else:
+                q_gather.copy_rows(sQ, own_row)
+        else:
+            q_gather.copy_rows(sQ, own_row)
         cute.arch.cp_async_commit_group()
         pipeline_q.producer_commit(q_state)
 
@@ -953,7 +968,7 @@ class PodAttentionSm90(PodKernelBase):
         # rather than held: the MMA warpgroups have no register to spare for it.
         i = cute.arch.make_warp_uniform(plan.mCtaPtr[cute.arch.block_idx()[0]])
         while i < plan.mCtaPtr[cute.arch.block_idx()[0] + 1]:
-            item = WorkItem.load(plan, i)
+            item = WorkItem.load(plan, i, self.cfg.shared_prefix)
             decode = Int32(item.is_decode)
             # Rows of this warpgroup: its own 64 (prefill) or all of the item's (decode).
             row_offset = wg * WG_ROWS * (1 - decode)
@@ -982,7 +997,7 @@ class PodAttentionSm90(PodKernelBase):
                 item_wgmma()
             # The item again (L1 hits), and its tile count recomputed: held through the
             # item's work, n_min and n_max would cost the MMA warps two registers.
-            item = WorkItem.load(plan, i)
+            item = WorkItem.load(plan, i, self.cfg.shared_prefix)
             n_min, n_max, _ = self.item_tiles(item, wg, plan.mIParams)
             kv_count += n_max - n_min
             self.merge_split(io, plan, item, mma_tidx, self.num_mma_threads)
@@ -1040,7 +1055,7 @@ class PodAttentionSm90(PodKernelBase):
                 cute.local_tile(smem.sQ_mma, (WG_ROWS, d), (wg, 0))))
         tSrK = thr_mma_qk.make_fragment_B(thr_mma_qk.partition_B(smem.sK))
         tOrVt = thr_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sVt))
-        item = WorkItem.load(plan, i)
+        item = WorkItem.load(plan, i, self.cfg.shared_prefix)
         decode = Int32(item.is_decode)
         row_offset = wg * WG_ROWS * (1 - decode)
         softmax.reset()
@@ -1091,7 +1106,7 @@ class PodAttentionSm90(PodKernelBase):
                                   mma_tidx, wg)
         # Reload the item for the epilogue (an L1 hit) rather than keep every field
         # live through the mainloop: registers are what the MMA warpgroups lack.
-        item = WorkItem.load(plan, i)
+        item = WorkItem.load(plan, i, self.cfg.shared_prefix)
         decode = Int32(item.is_decode)
         row_offset = wg * WG_ROWS * (1 - decode)
         if decode != 0:
@@ -1236,7 +1251,7 @@ class PodAttentionSm90(PodKernelBase):
         """Mask S of the KV tile at `col_start` for this warpgroup's rows of item `i`."""
         # (i marked warp-uniform: the loads' addresses then sit in uniform registers, which
         # the warp-level decode path's masked tiles need: at 192 registers it spilled 8 bytes)
-        item = WorkItem.load(plan, cute.arch.make_warp_uniform(i))
+        item = WorkItem.load(plan, cute.arch.make_warp_uniform(i), self.cfg.shared_prefix)
         row_offset = wg * WG_ROWS * (1 - Int32(item.is_decode))
         self.mask_scores(acc_S, tScS, item, row_offset, col_start, plan.mIParams)
 
@@ -1403,7 +1418,7 @@ class PodAttentionSm90(PodKernelBase):
         rP = cute.make_rmem_tensor(acc_shape_S, cutlass.Float16)
         tOrP = cute.make_tensor(rP.iterator, acc_as_operand_a_layout(rP.layout))
 
-        item = WorkItem.load(plan, i)
+        item = WorkItem.load(plan, i, self.cfg.shared_prefix)
         q_state = stage(i - plan.mCtaPtr[cute.arch.block_idx()[0]], 1)  # (consume waited)
         tSrQ, q_up = dec.load_q(sQ, lane)
         pipes.q.consumer_release(q_state)  # Q is in registers: the next item's may load
@@ -1437,7 +1452,7 @@ class PodAttentionSm90(PodKernelBase):
             pipes.v8.consumer_release(s8)
             self.release(pipes.v, kv_state, 2)
 
-        item = WorkItem.load(plan, i)
+        item = WorkItem.load(plan, i, self.cfg.shared_prefix)
         self.combine_decode(item_softmax, acc_O, sScratch, pipes.combine, item.decode_index,
                             tidx, wg)
         if wg == 0:
@@ -1454,9 +1469,9 @@ class PodAttentionSm90(PodKernelBase):
                 n_rows = item.row_end - item.row_start
                 if item.split_slot >= 0:
                     dec.store_o(acc_O_w, layouts.partial_rows(plan.mPartialO, item.split_slot),
-                                Int32(0), n_rows, lane)
+                                Int32(item.partial_row), n_rows, lane)
                     store_lse(lse, tOcO, layouts.partial_lse(plan.mPartialLSE, item.split_slot),
-                              Int32(0), n_rows, lane)
+                              Int32(item.partial_row), n_rows, lane)
                 else:
                     dec.store_o(acc_O_w, layouts.packed_rows(io.mO, item.q_start, item.q_len,
                                                              item.kv_head, self.group),
@@ -1485,7 +1500,7 @@ class PodAttentionSm90(PodKernelBase):
         n_rows = item.row_end - item.row_start
         if item.split_slot >= 0:
             store_partial(acc_O, lse, tOcO, plan.mPartialO, plan.mPartialLSE, item.split_slot,
-                          row_offset, n_rows, tidx)
+                          row_offset, n_rows, tidx, item.partial_row)
         else:
             row_base = item.row_start + row_offset
             n_valid = n_rows - row_offset

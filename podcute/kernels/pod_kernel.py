@@ -68,7 +68,8 @@ class PodKernelBase:
         mWork: cute.Tensor, mCtaPtr: cute.Tensor, mQStart: cute.Tensor, mKvLen: cute.Tensor,
         mPageStart: cute.Tensor, mPageList: cute.Tensor, mPartialO: cute.Tensor,
         mPartialLSE: cute.Tensor, mMerge: cute.Tensor, mSlotMerge: cute.Tensor,
-        mMergeSem: cute.Tensor, mParams: cute.Tensor, mIParams: cute.Tensor, page_shift: Int32,
+        mMergeSem: cute.Tensor, mParams: cute.Tensor, mIParams: cute.Tensor,
+        mShared: cute.Tensor, page_shift: Int32,
         num_ctas: Int32,
         stream: cuda.CUstream,
     ):
@@ -78,7 +79,7 @@ class PodKernelBase:
             PodTensors(mQ, mK, mV, mO, mLSE, mSinks, mKScale, mVScale, mK2, mV2),
             PlanTensors(mWork, mCtaPtr, mQStart, mKvLen, mPageStart, mPageList, mPartialO,
                         mPartialLSE, mMerge, mSlotMerge, mMergeSem, mParams, mIParams,
-                        page_shift),
+                        mShared, page_shift),
             num_ctas, stream)
 
     def launch_kernel(self, io: PodTensors, plan: PlanTensors, num_ctas: Int32,
@@ -108,7 +109,8 @@ class PodKernelBase:
         into out (split_merge.finish_split), on the `num_threads` computing threads."""
         if item.split_slot >= 0:
             finish_split(io, plan, item.split_slot, self.group, self.cfg.io_dim, tidx,
-                         num_threads, barrier_id=NamedBarrier.MMA)
+                         num_threads, barrier_id=NamedBarrier.MMA,
+                         merge_rank=item.merge_rank, shared=self.cfg.shared_prefix)
 
     def window_right(self, mIParams: cute.Tensor):
         """The right limit's offset from the query position (0: causal)."""

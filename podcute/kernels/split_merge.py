@@ -48,8 +48,16 @@ def merge_group(
     mSinks: Optional[cute.Tensor] = None,  # [Hq] fp32 sink logits, or None
     kv_head: Int32 = 0,  # the rows' KV head (a row's sink is its query head's)
     group: cutlass.Constexpr[int] = 1,
+    mShared: Optional[cute.Tensor] = None,  # a shared_prefix variant's list, or None
+    own_row: Int32 = 0,  # the first partial row of these rows in their own slots
+    terms_first: Int32 = 0,  # their prefix terms: (slot, partial row) pairs of mShared
+    terms_count: Int32 = 0,
 ):
     """Merge the partials of packed rows [row_start, row_start + n_rows) into out (+ lse).
+
+    With `mShared` (a sharer's merge, planning/sharing.py) the splits are first the
+    `terms_count` prefix terms, each a (slot, partial row) pair from mShared[terms_first],
+    then the own slots from partial row `own_row` on.
 
     A thread handles COLS_PER_THREAD columns of one row a pass (threads past the last
     whole row of a pass idle: D 96 leaves some), over the splits SPLITS_IN_FLIGHT at a
@@ -76,18 +84,29 @@ def merge_group(
                     if row_max != -Float32.inf:
                         total = Float32(1.0)  # exp(sink - sink)
                 acc.fill(0.0)
-                for s0 in cutlass.range(0, num_splits, S, unroll=1):
+                total_splits = num_splits
+                if const_expr(mShared is not None):
+                    total_splits = num_splits + terms_count
+                for s0 in cutlass.range(0, total_splits, S, unroll=1):
                     for k in cutlass.range_constexpr(S):
                         # (a split past the last: lse -inf, weight 0, partial read as 0,
                         # since 0 * an unset register could be NaN)
                         split_lse[k] = -Float32.inf
                         part[k, None].fill(0.0)
-                        if s0 + k < num_splits:
+                        if s0 + k < total_splits:
                             slot = first_slot + s0 + k
-                            split_lse[k] = layouts.partial_lse(mPartialLSE, slot)[row]
+                            prow = row
+                            if const_expr(mShared is not None):
+                                t = s0 + k
+                                slot = first_slot + t - terms_count
+                                prow = own_row + row
+                                if t < terms_count:
+                                    slot = mShared[terms_first + 2 * t]
+                                    prow = mShared[terms_first + 2 * t + 1] + row
+                            split_lse[k] = layouts.partial_lse(mPartialLSE, slot)[prow]
                             gPartial = layouts.partial_rows(mPartialO, slot)
                             for j in cutlass.range_constexpr(C):
-                                part[k, j] = gPartial[row, col0 + j]
+                                part[k, j] = gPartial[prow, col0 + j]
                     new_max = row_max
                     for k in cutlass.range_constexpr(S):
                         new_max = cutlass.max(new_max, split_lse[k])
@@ -131,6 +150,8 @@ def finish_split(
     tidx: Int32,
     num_threads: cutlass.Constexpr[int],
     barrier_id: cutlass.Constexpr[int],
+    merge_rank: Int32 = 0,
+    shared: cutlass.Constexpr[bool] = False,
 ):
     """After a split's partials are written: count it; the group's last split merges.
 
@@ -139,29 +160,102 @@ def finish_split(
     splits - 1 is the last; a barrier that ORs its verdict into every thread
     (`barrier_or`) tells the others, which fence again (acquire) and read every split's
     partials; then it resets the semaphore so the next launch starts from zero.
+
+    `shared` (a shared_prefix variant): the piece's merge is its slot's plus `merge_rank`
+    (a sharer's own piece), a merge waits for MergeCol.WAIT pieces, and a shared-prefix
+    piece, whose merge row is a feed row, counts into each of its sharers' merges
+    instead (`feed_merges`).
     """
-    mMerge, mMergeSem = plan.mMerge, plan.mMergeSem
-    m = plan.mSlotMerge[split_slot]
-    num_splits = mMerge[m, MergeCol.NUM_SPLITS]
+    mMerge = plan.mMerge
+    m = plan.mSlotMerge[split_slot] + merge_rank
     cute.arch.fence_acq_rel_gpu()
     cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
+    if const_expr(shared):
+        if mMerge[m, MergeCol.FEED_COUNT] > 0:
+            feed_merges(io, plan, m, group, head_dim, tidx, num_threads)
+        else:
+            count_and_merge(io, plan, m, mMerge[m, MergeCol.WAIT], group, head_dim, tidx,
+                            num_threads, barrier_id, True)
+    else:
+        count_and_merge(io, plan, m, mMerge[m, MergeCol.NUM_SPLITS], group, head_dim, tidx,
+                        num_threads, barrier_id, False)
+
+
+@cute.jit
+def merge_rows(io: PodTensors, plan: PlanTensors, m: Int32, group: cutlass.Constexpr[int],
+               head_dim: cutlass.Constexpr[int], tidx: Int32,
+               num_threads: cutlass.Constexpr[int], shared: cutlass.Constexpr[bool]):
+    """Merge row m's partials into out (+ lse), on `num_threads` threads from `tidx`."""
+    mMerge = plan.mMerge
+    req = mMerge[m, MergeCol.REQ]
+    kv_head = mMerge[m, MergeCol.KV_HEAD]
+    row_start = mMerge[m, MergeCol.ROW_START]
+    q_start = plan.mQStart[req]
+    q_len = plan.mQStart[req + 1] - q_start
+    gO = layouts.packed_rows(io.mO, q_start, q_len, kv_head, group)
+    gLSE = None
+    if const_expr(io.mLSE is not None):
+        gLSE = layouts.packed_lse(io.mLSE, q_start, q_len, kv_head, group)
+    if const_expr(shared):
+        merge_group(gO, gLSE, plan.mPartialO, plan.mPartialLSE, row_start,
+                    mMerge[m, MergeCol.ROW_END] - row_start, mMerge[m, MergeCol.FIRST_SLOT],
+                    mMerge[m, MergeCol.NUM_SPLITS], tidx, num_threads, head_dim, io.mSinks,
+                    kv_head, group, plan.mShared, mMerge[m, MergeCol.OWN_ROW],
+                    mMerge[m, MergeCol.TERMS_FIRST], mMerge[m, MergeCol.TERMS_COUNT])
+    else:
+        merge_group(gO, gLSE, plan.mPartialO, plan.mPartialLSE, row_start,
+                    mMerge[m, MergeCol.ROW_END] - row_start, mMerge[m, MergeCol.FIRST_SLOT],
+                    mMerge[m, MergeCol.NUM_SPLITS], tidx, num_threads, head_dim, io.mSinks,
+                    kv_head, group)
+
+
+@cute.jit
+def count_and_merge(io: PodTensors, plan: PlanTensors, m: Int32, wait: Int32,
+                    group: cutlass.Constexpr[int], head_dim: cutlass.Constexpr[int],
+                    tidx: Int32, num_threads: cutlass.Constexpr[int],
+                    barrier_id: cutlass.Constexpr[int], shared: cutlass.Constexpr[bool]):
+    """Count one piece into merge m (after the release barrier); the piece that completes
+    it (`wait` pieces) merges, on all `num_threads` threads."""
+    mMergeSem = plan.mMergeSem
     last = Int32(0)
     if tidx == 0:
         done = cute.arch.atomic_add(mMergeSem.iterator + m, Int32(1), sem="acq_rel", scope="gpu")
-        last = Int32(done == num_splits - 1)
+        last = Int32(done == wait - 1)
     if barrier_or(last, barrier_id, num_threads) != 0:
         cute.arch.fence_acq_rel_gpu()
-        req = mMerge[m, MergeCol.REQ]
-        kv_head = mMerge[m, MergeCol.KV_HEAD]
-        row_start = mMerge[m, MergeCol.ROW_START]
-        q_start = plan.mQStart[req]
-        q_len = plan.mQStart[req + 1] - q_start
-        gO = layouts.packed_rows(io.mO, q_start, q_len, kv_head, group)
-        gLSE = None
-        if const_expr(io.mLSE is not None):
-            gLSE = layouts.packed_lse(io.mLSE, q_start, q_len, kv_head, group)
-        merge_group(gO, gLSE, plan.mPartialO, plan.mPartialLSE, row_start,
-                    mMerge[m, MergeCol.ROW_END] - row_start, mMerge[m, MergeCol.FIRST_SLOT],
-                    num_splits, tidx, num_threads, head_dim, io.mSinks, kv_head, group)
+        merge_rows(io, plan, m, group, head_dim, tidx, num_threads, shared)
         if tidx == 0:
             mMergeSem[m] = Int32(0)
+
+
+@cute.jit
+def feed_merges(io: PodTensors, plan: PlanTensors, m: Int32, group: cutlass.Constexpr[int],
+                head_dim: cutlass.Constexpr[int], tidx: Int32,
+                num_threads: cutlass.Constexpr[int]):
+    """A shared-prefix piece (feed row m, after the release barrier) counts into each of
+    its sharers' merges [FEED_FIRST, + FEED_COUNT): lane l of warp w takes merge
+    base + l * warps + w, so the atomics run in parallel, and each warp merges, on its
+    own 32 threads, the merges its lanes completed (a ballot), one after another."""
+    mMerge, mMergeSem = plan.mMerge, plan.mMergeSem
+    warps = num_threads // 32
+    warp = tidx // 32
+    lane = tidx % 32
+    f0 = mMerge[m, MergeCol.FEED_FIRST]
+    fc = mMerge[m, MergeCol.FEED_COUNT]
+    for base in cutlass.range(0, fc, 32 * warps, unroll=1):
+        j = base + lane * warps + warp
+        last = False
+        if j < fc:
+            mm = f0 + j
+            done = cute.arch.atomic_add(mMergeSem.iterator + mm, Int32(1), sem="acq_rel",
+                                        scope="gpu")
+            last = done == mMerge[mm, MergeCol.WAIT] - 1
+        mask = cute.arch.vote_ballot_sync(last)
+        if mask != 0:
+            cute.arch.fence_acq_rel_gpu()
+            for b in cutlass.range(32, unroll=1):
+                if (mask >> b) & 1 != 0:
+                    mm = f0 + base + b * warps + warp
+                    merge_rows(io, plan, mm, group, head_dim, lane, 32, True)
+                    if lane == 0:
+                        mMergeSem[mm] = Int32(0)

@@ -8,7 +8,9 @@ from cutlass import Int32
 
 from podcute.layouts import RAGGED_REQUEST
 from podcute.kernels.args import PlanTensors
-from podcute.kernels.metadata import KIND_BITS, KIND_MASK, IParam, Kind, WorkCol
+from podcute.kernels.metadata import (DECODE_INDEX_MASK, KIND_BITS, KIND_MASK,
+                                      SHARE_FIELD_MASK, SHARE_RANK_SHIFT, SHARE_ROW_SHIFT,
+                                      IParam, Kind, WorkCol)
 from podcute.kernels.visibility import tile_bounds
 
 
@@ -29,14 +31,25 @@ class WorkItem:
     q_len: Int32
     kv_len: Int32
     page_start: Int32
+    # A `shared_prefix` plan's sharer's own piece: its first partial row in its slot, and
+    # its merge's offset from the slot's (metadata.SHARE_*); 0 (a constant) otherwise.
+    partial_row: Int32 = 0
+    merge_rank: Int32 = 0
 
     @staticmethod
-    def load(plan: PlanTensors, idx: Int32) -> "WorkItem":
-        """Item `idx` of the plan: its work row and its request's lengths and pages."""
+    def load(plan: PlanTensors, idx: Int32, shared: bool = False) -> "WorkItem":
+        """Item `idx` of the plan: its work row and its request's lengths and pages
+        (`shared`: a shared_prefix variant, whose kind word also holds the share fields)."""
         mWork = plan.mWork
         req = mWork[idx, WorkCol.REQ]
         q_start = plan.mQStart[req]
         kind = mWork[idx, WorkCol.KIND]
+        decode_index = kind >> KIND_BITS
+        partial_row = merge_rank = 0
+        if shared:
+            decode_index = decode_index & DECODE_INDEX_MASK
+            partial_row = (kind >> SHARE_ROW_SHIFT) & SHARE_FIELD_MASK
+            merge_rank = (kind >> SHARE_RANK_SHIFT) & SHARE_FIELD_MASK
         return WorkItem(
             req=req,
             kv_head=mWork[idx, WorkCol.KV_HEAD],
@@ -46,12 +59,19 @@ class WorkItem:
             kv_end=mWork[idx, WorkCol.KV_END],
             split_slot=mWork[idx, WorkCol.SPLIT_SLOT],
             is_decode=(kind & KIND_MASK) == Int32(Kind.DECODE),
-            decode_index=kind >> KIND_BITS,
+            decode_index=decode_index,
             q_start=q_start,
             q_len=plan.mQStart[req + 1] - q_start,
             kv_len=plan.mKvLen[req],
             page_start=plan.mPageStart[req],
+            partial_row=partial_row,
+            merge_rank=merge_rank,
         )
+
+    def is_prefix_tile(self, mIParams: cute.Tensor):
+        """Whether this item is a shared-prefix tile (a shared_prefix variant's request at
+        or past IParam.VIRTUAL_REQUESTS): its query rows come from the token list."""
+        return self.req >= mIParams[IParam.VIRTUAL_REQUESTS]
 
     def reads_ragged(self, ragged_kv: bool):
         """Whether this item's K/V come from a `ragged_kv` variant's ragged source (its

@@ -13,6 +13,8 @@ One concept a module:
 - ``planner``: :class:`Planner` (buffers, capacity growth, freeze, plan());
 - ``expand``: the work expansion in numpy and the predictions read from it;
 - ``native`` (+ ``native.c``): the same expansion in C, bit for bit;
+- ``sharing``: shared prefixes found in the page lists and attended once (the batch the
+  expansion plans, and the rewrite of its rows and merges);
 - ``arrays``: numpy helpers the inputs and the expansion share.
 """
 

@@ -12,7 +12,9 @@
 #include <string.h>
 
 enum { REQ = 0, KV_HEAD, ROW_START, ROW_END, KV_START, KV_END, SPLIT_SLOT, KIND, WORK_COLS };
-enum { M_REQ = 0, M_KV_HEAD, M_ROW_START, M_ROW_END, M_FIRST_SLOT, M_NUM_SPLITS, MERGE_COLS };
+/* (the shared-prefix columns after M_NUM_SPLITS are planning/sharing.py's to write) */
+enum { M_REQ = 0, M_KV_HEAD, M_ROW_START, M_ROW_END, M_FIRST_SLOT, M_NUM_SPLITS, M_OWN_ROW,
+       M_WAIT, M_TERMS_FIRST, M_TERMS_COUNT, M_FEED_FIRST, M_FEED_COUNT, MERGE_COLS };
 enum { PREFILL = 0, DECODE = 1, KIND_BITS = 1 };
 
 typedef struct {

@@ -157,7 +157,8 @@ class NativeBuilder:
 # The C side writes rows by these column numbers (native.c's enums).
 assert (tuple(WorkCol) == tuple(range(WORK_COLS)) and WORK_COLS == 8
         and WorkCol.KIND == 7 and WorkCol.SPLIT_SLOT == 6 and WorkCol.KV_START == 4)
-assert tuple(MergeCol) == tuple(range(MERGE_COLS)) and MergeCol.NUM_SPLITS == 5
+assert (tuple(MergeCol) == tuple(range(MERGE_COLS)) and MergeCol.NUM_SPLITS == 5
+        and MERGE_COLS == 12)
 assert (Kind.PREFILL, Kind.DECODE) == (0, 1)
 
 _lock = threading.Lock()

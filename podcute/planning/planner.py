@@ -58,6 +58,7 @@ from podcute.planning.cost import (DEFAULT_COST_MODEL, H200_HBM_BYTES_PER_SM_CLO
 from podcute.planning.expand import WorkExpansion
 from podcute.planning.inputs import _PageSet, batch_inputs
 from podcute.planning.options import PlanOptions
+from podcute.planning import sharing
 from podcute.planning.types import (F32_MAX, F32_TINY, MAX_BATCH_SIZE, MAX_NUM_PAGES,
                                     MAX_NUM_TOKENS, MAX_WORK_ITEMS, CapacityError, Plan,
                                     PlanBuffers, PlanConfig, PlanSummary, capacities)
@@ -146,6 +147,12 @@ class Planner(WorkExpansion):
         self._copy_done = None  # CUDA event: the staging buffers may be rewritten after it
         self._check_limits(max_batch_size, max_num_tokens, max_num_pages)
         self._split_floor = (0, 0, 0)
+        # Shared prefixes (sharing.py): the split slots their partials may take beyond the
+        # expansion's (grown on demand until a CUDA graph holds the buffers), and whether
+        # a graph captured the shared_prefix variant (None: no capture yet).
+        self._share_slots = 16 * num_kv_heads
+        self._share_terms = 16 * num_kv_heads * max_batch_size
+        self._captured_shares = None
         self._allocate(max_batch_size, max_num_tokens, max_num_pages)
         # The work expansion in C (None: no C compiler here, or PODCUTE_PLANNER=numpy).
         self._native = native.load()
@@ -229,13 +236,29 @@ class Planner(WorkExpansion):
         items, merges, slots = self._split_floor
         cap = dataclasses.replace(cap, items=max(cap.items, items),
                                   merges=max(cap.merges, merges), slots=max(cap.slots, slots))
-        # One int32 buffer with fixed segment offsets -> one H2D copy of a prefix per plan;
-        # the page list is a second buffer (its own capacity), sent with a second copy.
+        # Room for shared prefixes (sharing.py): up to `batch` prefix tiles, each a request
+        # (two entries: its start and end) with a row tile per KV head; a merge per
+        # (sharer, head) and a feed row per tile group; their slots; the tiles' tokens
+        # and terms in the shared list.
+        tiles, Hkv = cap.batch, cfg.num_kv_heads
+        self._share_cap = dict(tiles=tiles, merges=Hkv * (cap.batch + tiles),
+                               slots=self._share_slots, tokens=2 * cap.tokens,
+                               terms=self._share_terms)
+        self._base_cap = cap
+        cap = dataclasses.replace(cap, items=cap.items + Hkv * tiles)
+        n_req = cap.batch + 1 + 2 * tiles
+        merges_all = cap.merges + self._share_cap["merges"]
+        slots_all = cap.slots + self._share_cap["slots"]
+        shared_list = self._share_cap["tokens"] + 2 * self._share_cap["terms"]
+        # One int32 buffer with fixed segment offsets -> one H2D copy of a prefix per plan
+        # (the shared list after the work rows: sent only when a plan shares); the page
+        # list is a second buffer (its own capacity), sent with a second copy.
         segs, off = {}, 0
         for name, n in (("params", NUM_PARAMS), ("cta_ptr", grid + 1),
-                        ("q_start", cap.batch + 1), ("kv_len", cap.batch),
-                        ("page_start", cap.batch), ("merge", cap.merges * MERGE_COLS),
-                        ("slot_merge", cap.slots), ("work", cap.items * WORK_COLS)):
+                        ("q_start", n_req + 1), ("kv_len", n_req),
+                        ("page_start", n_req), ("merge", merges_all * MERGE_COLS),
+                        ("slot_merge", slots_all), ("work", cap.items * WORK_COLS),
+                        ("shared", shared_list)):
             segs[name] = (off, n)
             off += _align(n)
         dev = self.device
@@ -250,20 +273,20 @@ class Planner(WorkExpansion):
         self._staging = self._staging_t.numpy()
         self._page_staging = self._page_staging_t.numpy()
         self._segs = segs
-        self._merge_sem = torch.zeros(cap.merges, dtype=torch.int32, device=dev)
+        self._merge_sem = torch.zeros(merges_all, dtype=torch.int32, device=dev)
         D, tm = cfg.kernel.head_dim, cfg.kernel.partial_rows  # (the tile's: whole fragments)
-        self._partial_o = torch.empty(cap.slots, tm, D, dtype=torch.float32, device=dev)
-        self._partial_lse = torch.empty(cap.slots, tm, dtype=torch.float32, device=dev)
+        self._partial_o = torch.empty(slots_all, tm, D, dtype=torch.float32, device=dev)
+        self._partial_lse = torch.empty(slots_all, tm, dtype=torch.float32, device=dev)
         self.capacity = cap
         self.buffer_epoch += 1
         # Views built once: slicing tensors per plan costs microseconds.
         self._d = {k: self._meta[o: o + n] for k, (o, n) in segs.items()}
         self._h = {k: self._staging[o: o + n] for k, (o, n) in segs.items()}
-        self._d["merge"] = self._d["merge"].view(cap.merges, MERGE_COLS)
+        self._d["merge"] = self._d["merge"].view(merges_all, MERGE_COLS)
         self._d["work"] = self._d["work"].view(cap.items, WORK_COLS)
         self._d["iparams"] = self._d["params"]  # int32 words (metadata.IParam)
         self._d["params"] = self._d["params"].view(torch.float32)
-        self._h["merge"] = self._h["merge"].reshape(cap.merges, MERGE_COLS)
+        self._h["merge"] = self._h["merge"].reshape(merges_all, MERGE_COLS)
         self._h["work"] = self._h["work"].reshape(cap.items, WORK_COLS)
         self._h["iparams"] = self._h["params"]
         self._h["params"] = self._h["params"].view(np.float32)
@@ -277,7 +300,7 @@ class Planner(WorkExpansion):
             mPageStart=d["page_start"], mPageList=self._page_list, mPartialO=self._partial_o,
             mPartialLSE=self._partial_lse, mMerge=d["merge"], mSlotMerge=d["slot_merge"],
             mMergeSem=self._merge_sem, mParams=d["params"], mIParams=d["iparams"],
-            page_shift=cfg.page_size.bit_length() - 1)
+            mShared=d["shared"], page_shift=cfg.page_size.bit_length() - 1)
         self.kernel_args = (*self.buffers, grid)
 
     def _grow_splits(self, items: int, merges: int, slots: int) -> None:
@@ -295,14 +318,18 @@ class Planner(WorkExpansion):
                                   zip((items, merges, slots), self._split_floor))
         self._allocate(cap.batch, cap.tokens, cap.pages)
 
-    def freeze(self, options: "PlanOptions | None" = None) -> None:
+    def freeze(self, options: "PlanOptions | None" = None, shares: bool | None = None) -> None:
         """Fix the buffers where they are: a CUDA graph has captured their addresses (and,
         with `options`, the kernel variant of a plan with these options). From now on a
         batch that does not fit raises CapacityError instead of regrowing, and a plan
-        that needs another kernel variant raises ValueError (_check_captured)."""
+        that needs another kernel variant raises ValueError (_check_captured). `shares`:
+        the captured plan ran the shared_prefix variant, which every later plan then runs
+        (False: later plans share nothing)."""
         self.frozen = True
         if options is not None and self._captured_options is None:
             self._captured_options = options
+        if shares is not None and self._captured_shares is None:
+            self._captured_shares = bool(shares)
 
     def _check_captured(self, options: "PlanOptions") -> None:
         """ValueError naming what differs when a CUDA graph captured launches of another
@@ -361,11 +388,13 @@ class Planner(WorkExpansion):
     def plan(self, cu_seqlens_q, kv_lens=None, *, block_table=None, kv_indptr=None,
              kv_indices=None, last_page_len=None, causal: bool = True,
              sm_scale: float | None = None, window_size=(-1, -1), softcap: float = 0.0,
-             batch_invariant: bool = False, _kv_name: str = "kv_lens",
-             _second_cache_requests: int = 0) -> Plan:
+             batch_invariant: bool = False, share_prefixes: bool = True,
+             _kv_name: str = "kv_lens", _second_cache_requests: int = 0) -> Plan:
         """Plan one batch (see the module docstring). KV lengths come from `kv_lens` or,
         with CSR pages, from `last_page_len`: kv_len = (pages - 1) * page_size + last.
         `window_size`, `softcap`, `batch_invariant`: docs/contract.md (PlanOptions).
+        `share_prefixes`: attend leading pages that several requests share once for all
+        of them (sharing.py); False plans every request on its own.
         Raises ValueError naming the argument for a bad value; `_kv_name` is what the
         messages call kv_lens. `_second_cache_requests` (podcute.compat's BatchPOD): the
         requests [0, n) that read a second cache when run() is given one."""
@@ -387,9 +416,45 @@ class Planner(WorkExpansion):
                 not 0 <= n2 <= q_len.size:
             raise ValueError(f"_second_cache_requests must be an int in [0, batch size "
                              f"{q_len.size}], got {n2!r}")
+        if not isinstance(share_prefixes, (bool, np.bool_)):
+            raise TypeError(f"share_prefixes must be a bool, got {type(share_prefixes).__name__}")
         self._ensure_capacity(q_len.size, total_q, num_entries)
+        share = None
+        if share_prefixes and self._may_share(options, int(n2)):
+            share = self._detect_sharing(page_src, q_len, kvl)
         return self._build(cu, q_len, kvl, used, options, sm_scale, total_q, page_src,
-                           num_entries, int(n2))
+                           num_entries, int(n2), share)
+
+    def _may_share(self, options: PlanOptions, second_cache_requests: int) -> bool:
+        """Whether this batch may share prefixes: the sm_90a kernel, one cache, no window
+        (the keys a window keeps move with each sharer's position), not batch-invariant
+        (a request's result would depend on who shares its batch), and no CUDA graph
+        holding the other kernel variant."""
+        k = self.config.kernel
+        return (not k.warp_mma and not options.batch_invariant and not options.has_window
+                and second_cache_requests == 0 and self._captured_shares is not False
+                and dataclasses.replace(k, shared_prefix=True).can_implement()[0])
+
+    def _detect_sharing(self, page_src, q_len, kvl):
+        cfg, sc = self.config, self._share_cap
+        return sharing.detect(page_src, q_len, kvl, cfg.group_size, cfg.page_size,
+                              cfg.kernel.tile_m_decode, cfg.kernel.tile_m_prefill,
+                              sc["tiles"], sc["tokens"])
+
+    def _grow_share_room(self, need: dict) -> bool:
+        """Room for a sharing plan's split slots and terms (twice what it needs); False when
+        a CUDA graph holds the buffers or the merges do not fit (the batch is then planned
+        without sharing)."""
+        if (self.frozen or (self._on_cuda and torch.cuda.is_current_stream_capturing())
+                or need["merges"] > self.capacity.merges + self._share_cap["merges"]):
+            return False
+        self._sync_staging()
+        extra_slots = need["slots"] - self.capacity.slots
+        self._share_slots = max(2 * extra_slots, self._share_slots)
+        self._share_terms = max(2 * need["terms"], self._share_terms)
+        cap = self._base_cap
+        self._allocate(cap.batch, cap.tokens, cap.pages)
+        return True
 
     def kernel_scale(self, sm_scale) -> float:
         """sm_scale as a float (default 1/sqrt(head_dim)); ValueError unless it is a
@@ -409,6 +474,13 @@ class Planner(WorkExpansion):
             raise ValueError(f"sm_scale must be a positive float32 (the kernel's type), got "
                              f"{given}")
         return sm_scale
+
+    def _page_starts(self, page_src, B: int) -> np.ndarray:
+        """Each request's offset in the staged page list (as _stage_pages sets it)."""
+        fmt, _, arg = page_src
+        if fmt == "table":
+            return self._iota[:B] * arg
+        return arg[:-1] - arg[0]
 
     def _stage_pages(self, page_src, num_entries: int, used: np.ndarray):
         """Copy the pages into the plan-owned staging list (what the kernel will read),
@@ -441,25 +513,54 @@ class Planner(WorkExpansion):
     # ---- work (the expansion itself: expand.WorkExpansion) ------------------------------
 
     def _build(self, cu, q_len, kvl, used, options, sm_scale, total_q, page_src,
-               num_entries, second_cache_requests: int = 0) -> Plan:
+               num_entries, second_cache_requests: int = 0, share=None) -> Plan:
         """Expand the batch into work rows, CTA lists, split slots and merges (written into
         the staging buffers: native's C, else the numpy code of expand.py, which compute
         the same plan bit for bit), copy and check the pages, then write the rest of the
         metadata and make the Plan."""
         self._sync_staging()
-        self._tiling = self._choose_tiling(q_len, options)
+        B = q_len.size
+        q_x, kv_x = q_len, kvl
+        if share is not None:
+            # The augmented batch: sharers' own suffixes, then the prefix tiles.
+            q_x, kv_x, kv_kernel, ps_x, qs_x, share_tokens = sharing.augment(
+                share, q_len, kvl, self._page_starts(page_src, B), cu, self.config.page_size)
+        self._tiling = self._choose_tiling(q_x, options)
         lay = None
         if self._native is not None:
-            lay = self._native.build(self, q_len, kvl, options)
+            lay = self._native.build(self, q_x, kv_x, options)
         if lay is None:  # (no C compiler, or a capacity the numpy path grows or reports)
-            lay = self._layout_numpy(q_len, kvl, options)
+            lay = self._layout_numpy(q_x, kv_x, options)
+        shares = share is not None or bool(self._captured_shares)
+        num_merge, num_slots = lay.num_merge, lay.num_slots
+        hs = self._h
+        if shares:
+            sharing.fill_merge_columns(hs["merge"], num_merge)
+        if share is not None:
+            sc = self._share_cap
+            n_tok = share_tokens.size
+            out = sharing.rewrite(
+                share, hs["work"], hs["merge"], hs["slot_merge"], lay.n, num_merge, num_slots,
+                B, self.config.num_kv_heads, q_len[share.participants] * self.config.group_size,
+                n_tok, self.capacity.merges + sc["merges"], self.capacity.slots + sc["slots"],
+                sc["terms"])
+            if isinstance(out, dict):
+                # no room: grow it (before a capture) and plan again, else plan this
+                # batch without sharing
+                if not self._grow_share_room(out):
+                    share = None
+                return self._build(cu, q_len, kvl, used, options, sm_scale, total_q, page_src,
+                                   num_entries, second_cache_requests, share)
+            num_merge, num_slots, terms = out
+            shared_list = hs["shared"]
+            shared_list[:n_tok] = share_tokens
+            shared_list[n_tok: n_tok + terms.size] = terms.reshape(-1)
         # The pages only now: a batch-invariant layout may regrow the buffers
         # (_grow_splits), and pages staged before it would stay in the old ones while the
         # kernel read the new, zeroed list.
         page_start, pages, max_page_index = self._stage_pages(page_src, num_entries, used)
-        cfg, grid, B = self.config, self.grid, q_len.size
+        cfg, grid = self.config, self.grid
         left, right = options.window_left, options.right
-        hs = self._h
         hs["params"][Param.SM_SCALE] = sm_scale
         if options.softcap > 0:
             hs["params"][Param.SOFTCAP_SCALE] = sm_scale / options.softcap
@@ -467,14 +568,25 @@ class Planner(WorkExpansion):
         hs["iparams"][IParam.WINDOW_LEFT] = left
         hs["iparams"][IParam.WINDOW_RIGHT] = right
         hs["iparams"][IParam.SECOND_CACHE_REQUESTS] = second_cache_requests
+        hs["iparams"][IParam.VIRTUAL_REQUESTS] = B + 1
         hs["cta_ptr"][:] = lay.ptr
-        hs["q_start"][: B + 1] = cu
-        hs["kv_len"][:B] = kvl
-        hs["page_start"][:B] = page_start
+        if share is None:
+            hs["q_start"][: B + 1] = cu
+            hs["kv_len"][:B] = kvl
+            hs["page_start"][:B] = page_start
+        else:
+            nx = q_x.size
+            hs["q_start"][: nx + 1] = qs_x
+            hs["kv_len"][:nx] = kv_kernel
+            hs["page_start"][:nx] = ps_x
         n = lay.n
         if self._on_cuda:
             end_off = self._segs["work"][0] + n * WORK_COLS
             self._meta[:end_off].copy_(self._staging_t[:end_off], non_blocking=True)
+            if share is not None:
+                s0 = self._segs["shared"][0]
+                s1 = s0 + n_tok + terms.size
+                self._meta[s0:s1].copy_(self._staging_t[s0:s1], non_blocking=True)
             if num_entries:
                 self._page_list[:num_entries].copy_(self._page_staging_t[:num_entries],
                                                     non_blocking=True)
@@ -490,15 +602,29 @@ class Planner(WorkExpansion):
                                                     lay.n0p, lay.fixes, rates, lay.order))
         counts = dict(num_requests=B, num_prefill_requests=lay.n_prefill_req,
                       num_decode_requests=lay.n_decode_req, num_split_items=lay.num_slots,
-                      num_merges=lay.num_merge, grid=grid)
+                      num_merges=lay.num_merge, grid=grid, num_shared_prefixes=0,
+                      num_sharing_requests=0, num_shared_tiles=0, shared_kv_tokens=0,
+                      saved_kv_tokens=0)
+        if share is not None:
+            # (the tiles are requests of the augmented batch: decode-like or prefill-like
+            # by their rows)
+            tiles_pre = int((q_x[B + 1::2] * cfg.group_size > cfg.kernel.tile_m_decode).sum())
+            counts.update(num_prefill_requests=lay.n_prefill_req - tiles_pre,
+                          num_decode_requests=lay.n_decode_req - (share.num_tiles - tiles_pre),
+                          num_split_items=int((hs["work"][:n, WorkCol.SPLIT_SLOT] >= 0).sum()),
+                          num_merges=num_merge, num_shared_prefixes=share.num_nodes,
+                          num_sharing_requests=int(share.participants.size),
+                          num_shared_tiles=share.num_tiles,
+                          shared_kv_tokens=share.shared_tokens,
+                          saved_kv_tokens=share.saved_tokens)
         summary = PlanSummary._lazy(lambda: self._summary_values(
             counts, costs()[1:], lay.kind, n, lay.n0d))
         return Plan(
             config=cfg, causal=bool(options.causal), sm_scale=sm_scale, options=options,
-            total_q=total_q, batch_size=B, num_items=n, num_merge=lay.num_merge,
-            num_slots=lay.num_slots, grid=grid, prefill_tile_m=self._tiling.tile_m,
+            total_q=total_q, batch_size=B, num_items=n, num_merge=num_merge,
+            num_slots=num_slots, grid=grid, prefill_tile_m=self._tiling.tile_m,
             max_page_index=max_page_index,
             buffer_epoch=self.buffer_epoch, summary=summary, kernel_args=self.kernel_args,
             q_lens=q_len, kv_lens=kvl, needed_pages=used, _pages=pages, _buffers=self._d,
             _num_page_entries=num_entries, _costs=costs,
-            second_cache_requests=second_cache_requests)
+            second_cache_requests=second_cache_requests, shares=shares)

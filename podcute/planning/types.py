@@ -132,6 +132,16 @@ class PlanSummary:
     predicted_decode_us: float  # max over CTAs of its decode time
     predicted_us: float  # max over SMs, and at least the batch's HBM time: see CostModel
     balance: float  # max / mean predicted time per CTA (1.0 = perfect)
+    # Shared prefixes (planning/sharing.py): runs of leading pages several requests share,
+    # attended once as multi-request tiles. shared_kv_tokens: the KV tokens those tiles
+    # read (each run once); saved_kv_tokens: the tokens the sharers no longer read.
+    # (No defaults: a lazy summary finds its fields through __getattr__, which a class
+    # attribute would shadow.)
+    num_shared_prefixes: int
+    num_sharing_requests: int
+    num_shared_tiles: int
+    shared_kv_tokens: int
+    saved_kv_tokens: int
     grid: int = 0
 
     @classmethod
@@ -165,6 +175,10 @@ class PlanSummary:
             f"  predicted: {self.predicted_us:.1f} us (per-CTA max prefill "
             f"{self.predicted_prefill_us:.1f} us, decode {self.predicted_decode_us:.1f} us), "
             f"balance max/mean {self.balance:.3f}"
+            + (f"\n  shared prefixes: {self.num_shared_prefixes} runs of "
+               f"{self.shared_kv_tokens} KV tokens shared by {self.num_sharing_requests} "
+               f"requests ({self.num_shared_tiles} tiles), {self.saved_kv_tokens} KV token "
+               "reads saved" if self.num_shared_prefixes else "")
         )
 
 @dataclass(eq=False)
@@ -211,6 +225,9 @@ class Plan:
     # launch: FlashInfer's BatchPOD with separate caches); the plan word
     # IParam.SECOND_CACHE_REQUESTS holds it.
     second_cache_requests: int = 0
+    # The plan runs the `shared_prefix` kernel variant (it shares a prefix, or a CUDA graph
+    # captured that variant).
+    shares: bool = False
     # the (first, second) cache page counts check_second_cache_pages last passed
     _two_cache_pages: tuple = field(repr=False, default=None)
     # launch's compiled kernels of this plan, by its flags (lse | sinks << 1 | ragged << 2

@@ -1,0 +1,114 @@
+"""GPU correctness of shared-prefix plans (planning/sharing.py) against podcute.reference:
+decode batches whose requests share leading pages at one or two levels, spread over the
+batch in a random order, speculative rows among them, with requests that share nothing
+beside them; block table and CSR; causal or not; soft-capping and sinks; a multi-tile
+prefix (128 sharers); a CUDA graph replayed after plans that change the sharing. `out` is
+poisoned with NaN before each run (marker `gpu`)."""
+
+import random
+
+import pytest
+import torch
+
+from podcute import PODAttention
+from podcute.testing import make_shared_prefix_batch
+
+pytestmark = pytest.mark.gpu
+
+if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9):
+    pytest.skip("needs an sm_90 GPU", allow_module_level=True)
+
+TOL = {torch.bfloat16: 5e-3, torch.float16: 2e-3}
+
+
+def _run_and_check(attn, b, fmt, dtype, causal=True, sinks=None, softcap=0.0, share=True):
+    kw = (dict(block_table=b.block_table) if fmt == "table"
+          else dict(kv_indptr=b.kv_indptr, kv_indices=b.kv_indices))
+    summary = attn.plan(b.cu_seqlens_q, b.seqused_k, causal=causal, softcap=softcap,
+                        share_prefixes=share, **kw)
+    out = torch.full_like(b.q, float("nan"))
+    out, lse = attn.run(b.q, b.k_cache, b.v_cache, out=out, return_lse=True, sinks=sinks)
+    torch.cuda.synchronize()
+    ref, rlse = b.reference(causal=causal, return_lse=True, softcap=softcap, sinks=sinks)
+    assert not out.isnan().any(), "unwritten output"
+    rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert rel <= TOL[dtype], rel
+    fin = torch.isfinite(rlse)
+    assert torch.equal(fin, torch.isfinite(lse))
+    assert (lse[fin] - rlse[fin]).abs().max().item() <= 1e-3
+    return summary, rel
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("fmt", ["table", "csr"])
+def test_shared_prefix_batches(seed, fmt):
+    rng = random.Random(seed)
+    hq, hkv, d = rng.choice([(32, 8, 128), (8, 2, 64), (16, 8, 256), (8, 8, 128)])
+    page = rng.choice([16, 32])
+    dtype = rng.choice([torch.bfloat16, torch.float16])
+    b = make_shared_prefix_batch(rng, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d,
+                                 page_size=page, dtype=dtype, page_format=fmt, device="cuda")
+    attn = PODAttention(hq, hkv, d, page, dtype=dtype)
+    causal = seed % 3 != 2
+    summary, _ = _run_and_check(attn, b, fmt, dtype, causal=causal)
+    assert summary.num_shared_prefixes > 0, str(summary)
+    _run_and_check(attn, b, fmt, dtype, causal=causal, share=False)
+
+
+def test_shared_prefix_with_softcap_and_sinks():
+    rng = random.Random(7)
+    b = make_shared_prefix_batch(rng, num_qo_heads=32, num_kv_heads=8, head_dim=128,
+                                 page_size=16, device="cuda")
+    attn = PODAttention(32, 8, 128, 16)
+    sinks = torch.randn(32, device="cuda")
+    summary, _ = _run_and_check(attn, b, "table", torch.bfloat16, sinks=sinks, softcap=30.0)
+    assert summary.num_shared_prefixes > 0
+
+
+def test_many_sharers_across_tiles():
+    """128 decodes share one prefix: four prefix tiles per KV head, each feeding 32
+    merges."""
+    rng = random.Random(3)
+    b = make_shared_prefix_batch(rng, num_qo_heads=32, num_kv_heads=8, head_dim=128,
+                                 page_size=16, num_groups=1, sharers=(128, 128),
+                                 prefix_pages=(128, 128), sub_share=0.0, spec=0.0,
+                                 own_tokens=(1, 300), others=0, device="cuda")
+    attn = PODAttention(32, 8, 128, 16)
+    summary, _ = _run_and_check(attn, b, "table", torch.bfloat16)
+    assert summary.num_shared_tiles == 4, str(summary)
+
+
+def test_graph_replays_plans_that_change_the_sharing():
+    attn = PODAttention(32, 8, 128, 16, max_batch_size=64, max_num_tokens=512)
+    batches = [make_shared_prefix_batch(random.Random(s), num_qo_heads=32, num_kv_heads=8,
+                                        head_dim=128, page_size=16, device="cuda",
+                                        sharers=(2, 8))
+               for s in range(4)]
+    pool_pages = max(b.k_cache.shape[0] for b in batches)
+    T = max(b.q.shape[0] for b in batches)
+    k = torch.randn(pool_pages, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    q = torch.randn(T, 32, 128, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    b0 = batches[0]
+    attn.plan(b0.cu_seqlens_q, b0.seqused_k, block_table=b0.block_table)
+    attn.run(q, k, v, out=out)  # (compile outside the capture)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        attn.run(q, k, v, out=out)
+    for b in batches[1:] + batches[:1]:
+        s = attn.plan(b.cu_seqlens_q, b.seqused_k, block_table=b.block_table)
+        assert s.num_shared_prefixes > 0
+        n = b.q.shape[0]
+        q[:n] = b.q
+        k[: b.k_cache.shape[0]] = b.k_cache
+        v[: b.v_cache.shape[0]] = b.v_cache
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        ref = b.reference(causal=True).float()
+        from podcute.reference import pod_attention_reference
+        ref = pod_attention_reference(q[:n], k, v, cu_seqlens_q=b.cu_seqlens_q,
+                                      seqused_k=b.seqused_k, block_table=b.block_table).float()
+        rel = ((out[:n].float() - ref).norm() / ref.norm()).item()
+        assert rel <= 5e-3, rel

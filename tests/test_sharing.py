@@ -1,0 +1,96 @@
+"""Shared-prefix plans on the CPU (planning/sharing.py): detection, and every plan checked
+numerically by podcute.testing.execute_plan (the kernel's contract over the metadata)
+against the float32 reference."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from podcute.planning import Planner
+from podcute.testing import execute_plan, make_shared_prefix_batch
+
+
+def _plan(planner, b, fmt, **kw):
+    pages = (dict(block_table=b.block_table) if fmt == "table"
+             else dict(kv_indptr=b.kv_indptr, kv_indices=b.kv_indices))
+    return planner.plan(b.cu_seqlens_q, b.seqused_k, **pages, **kw)
+
+
+def _check(plan, b, causal=True, sinks=None, softcap=0.0):
+    out, lse = execute_plan(plan, b.q, b.k_cache, b.v_cache, sinks=sinks, softcap=softcap)
+    ref, rlse = b.reference(causal=causal, return_lse=True, sinks=sinks, softcap=softcap)
+    rel = ((out.float() - ref).norm() / ref.norm()).item()
+    assert rel < 1e-5, rel
+    fin = torch.isfinite(rlse)
+    assert torch.equal(fin, torch.isfinite(lse.float()))
+    assert (lse.float()[fin] - rlse[fin]).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("seed", range(10))
+@pytest.mark.parametrize("fmt", ["table", "csr"])
+def test_shared_plans_compute_the_batch(seed, fmt):
+    rng = random.Random(seed)
+    hq, hkv = rng.choice([(8, 2), (4, 4), (16, 2)])
+    ps = rng.choice([16, 32])
+    b = make_shared_prefix_batch(rng, num_qo_heads=hq, num_kv_heads=hkv, head_dim=32,
+                                 page_size=ps, page_format=fmt, dtype=torch.float32)
+    planner = Planner(hq, hkv, 32, ps, device="cpu", num_sms=rng.choice([4, 16, 132]))
+    causal = seed % 4 != 3
+    plan = _plan(planner, b, fmt, causal=causal)
+    assert plan.shares and plan.summary.num_shared_prefixes > 0
+    _check(plan, b, causal)
+    # the plain plan of the same batch
+    plain = _plan(planner, b, fmt, causal=causal, share_prefixes=False)
+    assert not plain.shares and plain.summary.num_shared_prefixes == 0
+    _check(plain, b, causal)
+
+
+def test_sinks_and_softcap_merge_once():
+    rng = random.Random(11)
+    b = make_shared_prefix_batch(rng, num_qo_heads=8, num_kv_heads=2, head_dim=32,
+                                 page_size=16, dtype=torch.float32)
+    planner = Planner(8, 2, 32, 16, device="cpu", num_sms=8)
+    sinks = torch.randn(8)
+    plan = _plan(planner, b, "table", softcap=5.0)
+    assert plan.summary.num_shared_prefixes > 0
+    _check(plan, b, sinks=sinks, softcap=5.0)
+
+
+def test_what_is_not_shared():
+    """Partial last pages, pages past a sharer's first query, short runs, and the plans
+    that never share (a window, batch-invariant)."""
+    ps = 16
+    # two decodes whose lists agree on 20 pages, but one's kv ends inside page 19: only
+    # whole pages before the first query token count
+    table = torch.arange(40, dtype=torch.int32).reshape(1, 40).repeat(2, 1)
+    table[1, 25:] += 100
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32)
+    planner = Planner(4, 1, 32, ps, device="cpu", num_sms=8)
+    kv = torch.tensor([19 * ps + 5, 30 * ps], dtype=torch.int32)
+    s = planner.plan(cu, kv, block_table=table).summary
+    assert s.num_shared_prefixes == 1 and s.shared_kv_tokens == 19 * ps
+    # runs shorter than MIN_SHARED_TOKENS are not worth a tile
+    kv = torch.tensor([10 * ps + 1, 10 * ps + 1], dtype=torch.int32)
+    assert planner.plan(cu, kv, block_table=table).summary.num_shared_prefixes == 0
+    kv = torch.tensor([30 * ps, 30 * ps], dtype=torch.int32)
+    assert planner.plan(cu, kv, block_table=table).summary.num_shared_prefixes == 1
+    for kw in (dict(window_size=(100, 0)), dict(batch_invariant=True)):
+        assert planner.plan(cu, kv, block_table=table, **kw).summary.num_shared_prefixes == 0
+    with pytest.raises(TypeError, match="share_prefixes"):
+        planner.plan(cu, kv, block_table=table, share_prefixes=1)
+
+
+def test_the_same_page_twice_in_one_request():
+    rng = random.Random(5)
+    b = make_shared_prefix_batch(rng, num_qo_heads=4, num_kv_heads=2, head_dim=32,
+                                 page_size=16, dtype=torch.float32, num_groups=1,
+                                 sharers=(4, 4))
+    t = b.block_table.clone()
+    t[:, 3] = t[:, 1]  # a page repeated in every sharer's prefix (and its own list)
+    b = type(b)(**{**b.__dict__, "block_table": t})
+    planner = Planner(4, 2, 32, 16, device="cpu", num_sms=8)
+    plan = _plan(planner, b, "table")
+    assert plan.summary.num_shared_prefixes > 0
+    _check(plan, b)
