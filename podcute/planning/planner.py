@@ -153,6 +153,7 @@ class Planner(WorkExpansion):
         self._share_slots = 16 * num_kv_heads
         self._share_terms = 16 * num_kv_heads * max_batch_size
         self._captured_shares = None
+        self._kernel_shares = dataclasses.replace(kernel, shared_prefix=True).can_implement()[0]
         self._allocate(max_batch_size, max_num_tokens, max_num_pages)
         # The work expansion in C (None: no C compiler here, or PODCUTE_PLANNER=numpy).
         self._native = native.load()
@@ -430,10 +431,8 @@ class Planner(WorkExpansion):
         (the keys a window keeps move with each sharer's position), not batch-invariant
         (a request's result would depend on who shares its batch), and no CUDA graph
         holding the other kernel variant."""
-        k = self.config.kernel
-        return (not k.warp_mma and not options.batch_invariant and not options.has_window
-                and second_cache_requests == 0 and self._captured_shares is not False
-                and dataclasses.replace(k, shared_prefix=True).can_implement()[0])
+        return (self._kernel_shares and not options.batch_invariant and not options.has_window
+                and second_cache_requests == 0 and self._captured_shares is not False)
 
     def _detect_sharing(self, page_src, q_len, kvl):
         cfg, sc = self.config, self._share_cap

@@ -92,12 +92,14 @@ def detect(page_src, q_len: np.ndarray, kvl: np.ndarray, group: int, page_size: 
     cand = ((rows > 0) & (rows <= decode_rows) & (n_pages >= min_pages)).nonzero()[0]
     if cand.size < 2:
         return None
-    first = _page_rows(page_src, cand, 1)[:, 0]
+    fmt, pages, arg = page_src
+    first = pages[cand, 0] if fmt == "table" else pages[arg[cand]] if pages.size else cand
+    f = np.sort(first)
+    if not (f[1:] == f[:-1]).any():
+        return None
     order = first.argsort(kind="stable")
     f = first[order]
     dup = f[1:] == f[:-1]
-    if not dup.any():
-        return None
     # the candidates whose first page another candidate has
     keep = np.zeros(cand.size, dtype=bool)
     keep[order[1:][dup]] = True
@@ -179,7 +181,7 @@ def detect(page_src, q_len: np.ndarray, kvl: np.ndarray, group: int, page_size: 
             lv_row[r].append(used)
             used += int(p_rows[r])
     n_tiles = len(t_first)
-    tokens = int(sum(int(p_tok[r]) * len(lv_tile[r]) for r in range(participants.size)))
+    tokens = int((p_tok * np.array([len(x) for x in lv_tile])).sum())
     if n_tiles > max_tiles or tokens > max_tokens:
         return None  # (the planner's room for tiles: plan this batch without sharing)
     levels_ptr = np.zeros(participants.size + 1, dtype=np.int64)
@@ -239,11 +241,12 @@ def augment(sh: Sharing, q_len, kvl, page_start, cu, page_size: int):
     qs[vi] = t_off[:-1]
     qs[vi + 1] = t_off[1:]
     qs[n] = t_off[-1]
-    starts = cu[p]
-    tokens = np.concatenate([
-        np.concatenate([np.arange(starts[r], starts[r] + tok_counts[r])
-                        for r in range(f, f + c)])
-        for f, c in zip(sh.tile_first, sh.tile_count)]) if U else np.zeros(0, np.int64)
+    # each tile's sharers (ranks) in order, then each sharer's tokens
+    ranks = np.repeat(sh.tile_first, sh.tile_count) + _ragged_arange(
+        sh.tile_count, int(sh.tile_count.sum()))
+    counts = tok_counts[ranks].astype(np.int64)
+    tokens = (np.repeat(cu[p[ranks]].astype(np.int64), counts)
+              + _ragged_arange(counts, int(counts.sum())))
     return q2, kv2, kv_kernel, ps2, qs, tokens
 
 
