@@ -91,13 +91,13 @@ def test_graph_replays_plans_that_change_the_sharing():
     q = torch.randn(T, 32, 128, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
     b0 = batches[0]
-    attn.plan(b0.cu_seqlens_q, b0.seqused_k, block_table=b0.block_table)
+    attn.plan(b0.cu_seqlens_q, b0.seqused_k, block_table=b0.block_table, share_prefixes=True)
     attn.run(q, k, v, out=out)  # (compile outside the capture)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         attn.run(q, k, v, out=out)
     for b in batches[1:] + batches[:1]:
-        s = attn.plan(b.cu_seqlens_q, b.seqused_k, block_table=b.block_table)
+        s = attn.plan(b.cu_seqlens_q, b.seqused_k, block_table=b.block_table, share_prefixes=True)
         assert s.num_shared_prefixes > 0
         n = b.q.shape[0]
         q[:n] = b.q

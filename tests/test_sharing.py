@@ -15,6 +15,7 @@ from podcute.testing import execute_plan, make_shared_prefix_batch
 def _plan(planner, b, fmt, **kw):
     pages = (dict(block_table=b.block_table) if fmt == "table"
              else dict(kv_indptr=b.kv_indptr, kv_indices=b.kv_indices))
+    kw.setdefault("share_prefixes", True)
     return planner.plan(b.cu_seqlens_q, b.seqused_k, **pages, **kw)
 
 
@@ -41,8 +42,10 @@ def test_shared_plans_compute_the_batch(seed, fmt):
     plan = _plan(planner, b, fmt, causal=causal)
     assert plan.shares and plan.summary.num_shared_prefixes > 0
     _check(plan, b, causal)
-    # the plain plan of the same batch
-    plain = _plan(planner, b, fmt, causal=causal, share_prefixes=False)
+    # the plain plan of the same batch (the default)
+    plain = planner.plan(b.cu_seqlens_q, b.seqused_k, causal=causal,
+                         **(dict(block_table=b.block_table) if fmt == "table"
+                            else dict(kv_indptr=b.kv_indptr, kv_indices=b.kv_indices)))
     assert not plain.shares and plain.summary.num_shared_prefixes == 0
     _check(plain, b, causal)
 
@@ -69,15 +72,15 @@ def test_what_is_not_shared():
     cu = torch.tensor([0, 1, 2], dtype=torch.int32)
     planner = Planner(4, 1, 32, ps, device="cpu", num_sms=8)
     kv = torch.tensor([19 * ps + 5, 30 * ps], dtype=torch.int32)
-    s = planner.plan(cu, kv, block_table=table).summary
+    s = planner.plan(cu, kv, block_table=table, share_prefixes=True).summary
     assert s.num_shared_prefixes == 1 and s.shared_kv_tokens == 19 * ps
     # runs shorter than MIN_SHARED_TOKENS are not worth a tile
     kv = torch.tensor([10 * ps + 1, 10 * ps + 1], dtype=torch.int32)
-    assert planner.plan(cu, kv, block_table=table).summary.num_shared_prefixes == 0
+    assert planner.plan(cu, kv, block_table=table, share_prefixes=True).summary.num_shared_prefixes == 0
     kv = torch.tensor([30 * ps, 30 * ps], dtype=torch.int32)
-    assert planner.plan(cu, kv, block_table=table).summary.num_shared_prefixes == 1
+    assert planner.plan(cu, kv, block_table=table, share_prefixes=True).summary.num_shared_prefixes == 1
     for kw in (dict(window_size=(100, 0)), dict(batch_invariant=True)):
-        assert planner.plan(cu, kv, block_table=table, **kw).summary.num_shared_prefixes == 0
+        assert planner.plan(cu, kv, block_table=table, share_prefixes=True, **kw).summary.num_shared_prefixes == 0
     with pytest.raises(TypeError, match="share_prefixes"):
         planner.plan(cu, kv, block_table=table, share_prefixes=1)
 

@@ -389,13 +389,14 @@ class Planner(WorkExpansion):
     def plan(self, cu_seqlens_q, kv_lens=None, *, block_table=None, kv_indptr=None,
              kv_indices=None, last_page_len=None, causal: bool = True,
              sm_scale: float | None = None, window_size=(-1, -1), softcap: float = 0.0,
-             batch_invariant: bool = False, share_prefixes: bool = True,
+             batch_invariant: bool = False, share_prefixes: bool = False,
              _kv_name: str = "kv_lens", _second_cache_requests: int = 0) -> Plan:
         """Plan one batch (see the module docstring). KV lengths come from `kv_lens` or,
         with CSR pages, from `last_page_len`: kv_len = (pages - 1) * page_size + last.
         `window_size`, `softcap`, `batch_invariant`: docs/contract.md (PlanOptions).
         `share_prefixes`: attend leading pages that several requests share once for all
-        of them (sharing.py); False plans every request on its own.
+        of them (sharing.py); off by default until its kernel path has passed the GPU
+        suites (docs/notes/shared-prefix.md).
         Raises ValueError naming the argument for a bad value; `_kv_name` is what the
         messages call kv_lens. `_second_cache_requests` (podcute.compat's BatchPOD): the
         requests [0, n) that read a second cache when run() is given one."""
