@@ -566,9 +566,8 @@ def execute_plan(plan, q, k_cache, v_cache, sinks=None, softcap=0.0):
     split pieces count into their merges (feed rows into their sharers'), and every merge
     that completed combines its terms. Checks the counts as it goes. Returns (out, lse).
     For tests of the planner: a plan that passes this computes the batch's attention."""
-    from podcute.kernels.metadata import (DECODE_INDEX_MASK, KIND_BITS, SHARE_FIELD_MASK,
-                                          SHARE_OWN_BIT, SHARE_RANK_SHIFT, SHARE_ROW_SHIFT,
-                                          IParam, MergeCol, WorkCol)
+    from podcute.kernels.metadata import (SHARE_FIELD_MASK, SHARE_OWN_BIT, SHARE_RANK_SHIFT,
+                                          SHARE_ROW_SHIFT, IParam, MergeCol)
     buf = plan._buffers
     cfg = plan.config
     G, ps = cfg.group_size, cfg.page_size
@@ -617,12 +616,14 @@ def execute_plan(plan, q, k_cache, v_cache, sinks=None, softcap=0.0):
         if opts.window_left >= 0:
             mask &= kk >= pos - opts.window_left
         s = s.masked_fill(~mask, -math.inf)
-        m = s.max(dim=1, keepdim=True).values if s.shape[1] else torch.full((s.shape[0], 1), -math.inf, dtype=torch.float64)
+        m = (s.max(dim=1, keepdim=True).values if s.shape[1]
+             else torch.full((s.shape[0], 1), -math.inf, dtype=torch.float64))
         m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
         p = torch.exp(s - m_safe)
         l = p.sum(1, keepdim=True)
         o = (p @ V) / torch.where(l > 0, l, torch.ones_like(l))
-        row_lse = torch.where(l[:, 0] > 0, m_safe[:, 0] + torch.log(l[:, 0]), torch.full_like(l[:, 0], -math.inf))
+        row_lse = torch.where(l[:, 0] > 0, m_safe[:, 0] + torch.log(l[:, 0]),
+                              torch.full_like(l[:, 0], -math.inf))
         if slot < 0:
             if sinks is not None:
                 sk = sinks[heads].double()

@@ -75,12 +75,15 @@ def test_what_is_not_shared():
     s = planner.plan(cu, kv, block_table=table, share_prefixes=True).summary
     assert s.num_shared_prefixes == 1 and s.shared_kv_tokens == 19 * ps
     # runs shorter than MIN_SHARED_TOKENS are not worth a tile
-    kv = torch.tensor([10 * ps + 1, 10 * ps + 1], dtype=torch.int32)
-    assert planner.plan(cu, kv, block_table=table, share_prefixes=True).summary.num_shared_prefixes == 0
+    def runs(kv, **kw):
+        return planner.plan(cu, kv, block_table=table, share_prefixes=True,
+                            **kw).summary.num_shared_prefixes
+
+    assert runs(torch.tensor([10 * ps + 1, 10 * ps + 1], dtype=torch.int32)) == 0
     kv = torch.tensor([30 * ps, 30 * ps], dtype=torch.int32)
-    assert planner.plan(cu, kv, block_table=table, share_prefixes=True).summary.num_shared_prefixes == 1
+    assert runs(kv) == 1
     for kw in (dict(window_size=(100, 0)), dict(batch_invariant=True)):
-        assert planner.plan(cu, kv, block_table=table, share_prefixes=True, **kw).summary.num_shared_prefixes == 0
+        assert runs(kv, **kw) == 0
     with pytest.raises(TypeError, match="share_prefixes"):
         planner.plan(cu, kv, block_table=table, share_prefixes=1)
 

@@ -196,17 +196,14 @@ def merge_rows(io: PodTensors, plan: PlanTensors, m: Int32, group: cutlass.Const
     gLSE = None
     if const_expr(io.mLSE is not None):
         gLSE = layouts.packed_lse(io.mLSE, q_start, q_len, kv_head, group)
+    terms = ()  # (a sharer's merge: its prefix terms and own row)
     if const_expr(shared):
-        merge_group(gO, gLSE, plan.mPartialO, plan.mPartialLSE, row_start,
-                    mMerge[m, MergeCol.ROW_END] - row_start, mMerge[m, MergeCol.FIRST_SLOT],
-                    mMerge[m, MergeCol.NUM_SPLITS], tidx, num_threads, head_dim, io.mSinks,
-                    kv_head, group, plan.mShared, mMerge[m, MergeCol.OWN_ROW],
-                    mMerge[m, MergeCol.TERMS_FIRST], mMerge[m, MergeCol.TERMS_COUNT])
-    else:
-        merge_group(gO, gLSE, plan.mPartialO, plan.mPartialLSE, row_start,
-                    mMerge[m, MergeCol.ROW_END] - row_start, mMerge[m, MergeCol.FIRST_SLOT],
-                    mMerge[m, MergeCol.NUM_SPLITS], tidx, num_threads, head_dim, io.mSinks,
-                    kv_head, group)
+        terms = (plan.mShared, mMerge[m, MergeCol.OWN_ROW], mMerge[m, MergeCol.TERMS_FIRST],
+                 mMerge[m, MergeCol.TERMS_COUNT])
+    merge_group(gO, gLSE, plan.mPartialO, plan.mPartialLSE, row_start,
+                mMerge[m, MergeCol.ROW_END] - row_start, mMerge[m, MergeCol.FIRST_SLOT],
+                mMerge[m, MergeCol.NUM_SPLITS], tidx, num_threads, head_dim, io.mSinks,
+                kv_head, group, *terms)
 
 
 @cute.jit

@@ -476,7 +476,7 @@ class Planner(WorkExpansion):
         return sm_scale
 
     def _page_starts(self, page_src, B: int) -> np.ndarray:
-        """Each request's offset in the staged page list (as _stage_pages sets it)."""
+        """Each request's offset in the staged page list (_stage_pages' layout of it)."""
         fmt, _, arg = page_src
         if fmt == "table":
             return self._iota[:B] * arg
@@ -495,13 +495,13 @@ class Planner(WorkExpansion):
             table = staged.reshape(B, arg)
             if num_entries:
                 table[:] = pages[:, :arg]
-            start, copy = self._iota[:B] * arg, _PageSet(table, None, used)
+            copy = _PageSet(table, None, used)
             lo, hi = copy.bounds(arg)
         else:
             staged[:] = pages[arg[0]: arg[-1]]  # arg: kv_indptr
-            start = arg[:-1] - arg[0]
             copy = _PageSet(None, (staged, arg - arg[0]), used)
             lo, hi = copy.bounds()
+        start = self._page_starts(page_src, B)
         if lo < 0:
             b, lo = copy.first_negative()
             if b >= 0:

@@ -93,7 +93,7 @@ def detect(page_src, q_len: np.ndarray, kvl: np.ndarray, group: int, page_size: 
     if cand.size < 2:
         return None
     fmt, pages, arg = page_src
-    first = pages[cand, 0] if fmt == "table" else pages[arg[cand]] if pages.size else cand
+    first = pages[cand, 0] if fmt == "table" else pages[arg[cand]]
     f = np.sort(first)
     if not (f[1:] == f[:-1]).any():
         return None
@@ -121,31 +121,32 @@ def detect(page_src, q_len: np.ndarray, kvl: np.ndarray, group: int, page_size: 
     lcp = np.where(eq.all(axis=1), width, eq.argmin(axis=1))
     # LCP intervals: each node is a run [a, b] of sorted rows sharing `h` pages, h the
     # minimum lcp over it; its parent is the enclosing interval.
-    nodes = []  # (a, b, h, parent index or -1)
-    stack = [(0, 0, -1)]  # (h, left, node id placeholder)
-    intervals = []
+    stack = [(0, 0)]  # open intervals: (h, first row)
+    intervals = []  # (first row, last row, h)
     for i in range(m):
         lv = int(lcp[i]) if i < m - 1 else 0
         left = i
         while stack[-1][0] > lv:
-            h, lb, _ = stack.pop()
+            h, lb = stack.pop()
             intervals.append((lb, i, h))
             left = lb
         if stack[-1][0] < lv:
-            stack.append((lv, left, -1))
+            stack.append((lv, left))
     if not intervals:
         return None
-    # Parents first: by start, then the wider first.
+    # Parents first: by start, then the wider first. A node is kept when it adds
+    # MIN_SHARED_TOKENS beyond its nearest kept ancestor (`base`).
     intervals.sort(key=lambda t: (t[0], -t[1]))
-    open_ = []  # (b, index in nodes, emitted depth below)
+    nodes = []  # (first row, last row, base, h): pages [base, h) shared
+    open_ = []  # enclosing intervals: (last row, depth kept below it)
     for a, b, h in intervals:
         while open_ and open_[-1][0] < a:
             open_.pop()
-        base = open_[-1][2] if open_ else 0
-        emitted = (h - base) * page_size >= MIN_SHARED_TOKENS
-        if emitted:
+        base = open_[-1][1] if open_ else 0
+        kept = (h - base) * page_size >= MIN_SHARED_TOKENS
+        if kept:
             nodes.append((a, b, base, h))
-        open_.append((b, len(nodes) - 1 if emitted else -1, h if emitted else base))
+        open_.append((b, h if kept else base))
     if not nodes:
         return None
     # Participants: the sorted rows inside an emitted node, in sorted order.
@@ -256,8 +257,9 @@ def rewrite(sh: Sharing, work: np.ndarray, merge: np.ndarray, slot_merge: np.nda
             cap_terms: int):
     """Rewrite the expansion's work rows, merges and slot list of the augmented batch in
     place (module docstring). Returns (num_merge, num_slots, terms [k, 2]), or a dict of
-    what it needs (merges, slots, terms) when the buffers cannot hold the result. `p_rows`: each participant's packed rows;
-    `terms_base`: where the terms start in the shared list (after the tiles' tokens)."""
+    what it needs (merges, slots, terms) when the buffers cannot hold the result.
+    `p_rows`: each participant's packed rows; `terms_base`: where the terms start in the
+    shared list (after the tiles' tokens)."""
     Hkv = num_kv_heads
     P = sh.participants.size
     U = sh.num_tiles
@@ -340,7 +342,6 @@ def rewrite(sh: Sharing, work: np.ndarray, merge: np.ndarray, slot_merge: np.nda
     f_tile, f_head = np.divmod(np.nonzero(fg)[0], Hkv)
     merge[f_rows, MergeCol.FEED_FIRST] = sharer_base + f_head * P + sh.tile_first[f_tile]
     merge[f_rows, MergeCol.FEED_COUNT] = sh.tile_count[f_tile]
-    merge[f_rows, MergeCol.TERMS_COUNT] = 0
     # ---- own pieces: into their home tile's block, at their row
     o_head = head[own_idx]
     new_slot = own_slot0[o_head, own_home] + own_local
