@@ -10,6 +10,9 @@
 #                                             second-memcheck second-racecheck (the
 #                                             legacy wrapper's ragged K/V, BatchPOD's
 #                                             second cache)
+#                                             shared shared-memcheck shared-racecheck
+#                                             shared-bench (shared-prefix plans: the GPU
+#                                             tests, the sanitizers, perf.bench_shared)
 #                                             ncu-W-PAGE
 #                                             (ncu of workload W at page PAGE, e.g. ncu-F1-16)
 #                                             ncu-fa4-W-PAGE (the same batch through FA4)
@@ -123,6 +126,13 @@ for s in "$@"; do
     second-racecheck) for f in --legacy --cache2; do step second-racecheck$f 300 \
         compute-sanitizer --tool racecheck --error-exitcode 3 --kernel-regex kns=kernel_cutlass \
         python tests/gpu_sanitize.py $f --small; done ;;
+    shared) step shared 400 python -m pytest -q -x -m gpu tests/test_shared_prefix_gpu.py ;;
+    shared-memcheck) step shared-memcheck 300 compute-sanitizer --tool memcheck \
+        --error-exitcode 3 python tests/gpu_sanitize.py --shared ;;
+    shared-racecheck) step shared-racecheck 400 compute-sanitizer --tool racecheck \
+        --error-exitcode 3 --kernel-regex kns=kernel_cutlass python tests/gpu_sanitize.py \
+        --shared --small ;;
+    shared-bench) step shared-bench 200 python -m perf.bench_shared --out "$OUT/shared-bench" ;;
     features) step features 500 env PODCUTE_GPU_REPORT="$OUT/features_report.json" \
         python -m pytest -q -x -m gpu tests/test_kernel_gpu.py -k "feature or invariant or nothing" ;;
     kernel) step kernel 420 env PODCUTE_GPU_REPORT="$OUT/kernel_report.json" \

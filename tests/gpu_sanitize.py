@@ -14,7 +14,9 @@ converting producer warps and their two-level pipeline). `--legacy` runs only Fl
 legacy POD wrapper in one launch (the ragged variant: request 0's K/V from contiguous
 tensors, by TMA at pages 16 and 128 and by the gather at page 1); `--cache2` only its
 BatchPOD wrapper over separate prefill and decode caches in one launch (the second-cache
-variant, each cache exactly its side's pages).
+variant, each cache exactly its side's pages); `--shared` only shared-prefix plans (the
+shared_prefix variant: prefix tiles whose rows come from several requests, own pieces
+packed into one slot, the feed into each sharer's merge; TMA at page 16, the gather at 8).
 """
 
 import sys
@@ -305,6 +307,29 @@ def main_second_cache(small: bool) -> int:
     return 0 if ok else 1
 
 
+def main_shared(small: bool) -> int:
+    """Shared-prefix plans: two groups of decodes (one with a second level), speculative
+    rows, a prefill beside them, in a random order; page 16 (TMA) and 8 (the gather)."""
+    import random
+
+    from podcute.testing import make_shared_prefix_batch
+
+    ok = True
+    for page, fmt in ((16, "table"), (8, "csr")):
+        rng = random.Random(page)
+        b = make_shared_prefix_batch(rng, num_qo_heads=8, num_kv_heads=2, head_dim=128,
+                                     page_size=page, page_format=fmt, device="cuda",
+                                     sharers=(2, 4) if small else (3, 12),
+                                     prefix_pages=(256 // page, 512 // page))
+        attn = PODAttention(8, 2, 128, page)
+        pages = (dict(block_table=b.block_table) if fmt == "table"
+                 else dict(kv_indptr=b.kv_indptr, kv_indices=b.kv_indices))
+        s = attn.plan(b.cu_seqlens_q, b.seqused_k, share_prefixes=True, **pages)
+        assert s.num_shared_prefixes > 0, str(s)
+        ok &= check(attn, b, True, f"shared prefixes p{page} {fmt}")
+    return 0 if ok else 1
+
+
 if __name__ == "__main__":
     from podcute.testing import decode_evict_first_from_env
 
@@ -314,6 +339,8 @@ if __name__ == "__main__":
             sys.exit(main_legacy("--small" in sys.argv))
         if "--cache2" in sys.argv:
             sys.exit(main_second_cache("--small" in sys.argv))
+        if "--shared" in sys.argv:
+            sys.exit(main_shared("--small" in sys.argv))
         if "--fp8" in sys.argv:
             sys.exit(main_fp8("--small" in sys.argv, only))
         sys.exit(main("--small" in sys.argv, only))
