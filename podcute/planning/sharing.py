@@ -80,6 +80,29 @@ def _page_rows(page_src, reqs: np.ndarray, width: int) -> np.ndarray:
     return pages[idx].astype(np.int64) if pages.size else np.zeros(idx.shape, np.int64)
 
 
+def _cut(rows: np.ndarray, tile_rows: int):
+    """Cut sharers of `rows` packed rows each (in order) into tiles of at most `tile_rows`
+    rows, filling each before the next. Returns (each sharer's tile, its first row there,
+    each tile's first sharer, its sharer count)."""
+    n = rows.size
+    if (rows == rows[0]).all():  # (decodes of one shape: whole multiples a tile)
+        per = tile_rows // int(rows[0])
+        idx = np.arange(n)
+        tile, pos = np.divmod(idx, per)
+        first = np.arange(0, n, per)
+        return tile, pos * int(rows[0]), first, np.minimum(per, n - first)
+    tile, row = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
+    firsts, t, used = [0], 0, 0
+    for i, r in enumerate(rows.tolist()):
+        if used + r > tile_rows:
+            t, used = t + 1, 0
+            firsts.append(i)
+        tile[i], row[i] = t, used
+        used += r
+    first = np.array(firsts, dtype=np.int64)
+    return tile, row, first, np.diff(first, append=n)
+
+
 def detect(page_src, q_len: np.ndarray, kvl: np.ndarray, group: int, page_size: int,
            decode_rows: int, tile_rows: int, max_tiles: int,
            max_tokens: int) -> Sharing | None:
@@ -160,48 +183,43 @@ def detect(page_src, q_len: np.ndarray, kvl: np.ndarray, group: int, page_size: 
     participants = cand[part_pos]
     p_rows = rows[participants]
     p_tok = q_len[participants]
-    # Tiles: each node's sharers cut into runs of at most tile_rows rows. Nodes come
-    # parents first, so each sharer's levels are outer first.
-    t_first, t_count, t_lo, t_hi = [], [], [], []
-    lv_tile = [[] for _ in range(participants.size)]
-    lv_row = [[] for _ in range(participants.size)]
+    # Tiles: each node's sharers cut into runs of at most tile_rows rows (`_cut`). Nodes
+    # come parents first, so a stable sort by sharer keeps each one's levels outer first.
+    t_first, t_count, t_lo, t_hi, l_rank, l_tile, l_row = [], [], [], [], [], [], []
+    n_tiles = 0
     for a, b, lo, hi in nodes:
         r0, r1 = int(rank_of_pos[a]), int(rank_of_pos[b]) + 1
-        used = 0
-        start = r0
-        for r in range(r0, r1 + 1):
-            if r == r1 or used + int(p_rows[r]) > tile_rows:
-                t_first.append(start)
-                t_count.append(r - start)
-                t_lo.append(lo)
-                t_hi.append(hi)
-                if r == r1:
-                    break
-                start, used = r, 0
-            lv_tile[r].append(len(t_first))
-            lv_row[r].append(used)
-            used += int(p_rows[r])
-    n_tiles = len(t_first)
-    tokens = int((p_tok * np.array([len(x) for x in lv_tile])).sum())
+        tile, row, first, count = _cut(p_rows[r0:r1], tile_rows)
+        t_first.append(first + r0)
+        t_count.append(count)
+        t_lo.append(np.full(first.size, lo, dtype=np.int64))
+        t_hi.append(np.full(first.size, hi, dtype=np.int64))
+        l_rank.append(np.arange(r0, r1))
+        l_tile.append(tile + n_tiles)
+        l_row.append(row)
+        n_tiles += first.size
+    l_rank, l_tile, l_row = (np.concatenate(x) for x in (l_rank, l_tile, l_row))
+    tokens = int(p_tok[l_rank].sum())
     if n_tiles > max_tiles or tokens > max_tokens:
         return None  # (the planner's room for tiles: plan this batch without sharing)
+    by_rank = l_rank.argsort(kind="stable")
+    levels_tile, levels_row = l_tile[by_rank], l_row[by_rank]
     levels_ptr = np.zeros(participants.size + 1, dtype=np.int64)
-    np.cumsum([len(x) for x in lv_tile], out=levels_ptr[1:])
-    levels_tile = np.array([t for x in lv_tile for t in x], dtype=np.int64)
-    levels_row = np.array([t for x in lv_row for t in x], dtype=np.int64)
+    np.cumsum(np.bincount(l_rank, minlength=participants.size), out=levels_ptr[1:])
     home = levels_tile[levels_ptr[1:] - 1]
     row_off = levels_row[levels_ptr[1:] - 1]
-    tile_rank0 = np.full(n_tiles, -1, dtype=np.int64)
-    for r in range(participants.size - 1, -1, -1):
-        tile_rank0[home[r]] = r
-    t_lo_a, t_hi_a = np.array(t_lo, dtype=np.int64), np.array(t_hi, dtype=np.int64)
+    # each tile's first sharer whose deepest level it is (-1: none)
+    tile_rank0 = np.full(n_tiles, participants.size, dtype=np.int64)
+    np.minimum.at(tile_rank0, home, np.arange(participants.size))
+    tile_rank0[tile_rank0 == participants.size] = -1
+    t_lo_a, t_hi_a = np.concatenate(t_lo), np.concatenate(t_hi)
     depth = np.zeros(q_len.size, dtype=np.int64)
     depth[participants] = t_hi_a[home]
     runs = np.array([(hi - lo) for _, _, lo, hi in nodes], dtype=np.int64)
     sizes = np.array([int(rank_of_pos[b] - rank_of_pos[a] + 1) for a, b, _, _ in nodes])
     return Sharing(
         participants=participants, depth=depth,
-        tile_first=np.array(t_first, dtype=np.int64), tile_count=np.array(t_count, dtype=np.int64),
+        tile_first=np.concatenate(t_first), tile_count=np.concatenate(t_count),
         tile_lo=t_lo_a, tile_hi=t_hi_a, home=home, row_off=row_off, tile_rank0=tile_rank0,
         levels_ptr=levels_ptr, levels_tile=levels_tile, levels_row=levels_row,
         num_nodes=len(nodes), shared_tokens=int(runs.sum()) * page_size,
