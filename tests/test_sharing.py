@@ -100,3 +100,16 @@ def test_the_same_page_twice_in_one_request():
     plan = _plan(planner, b, "table")
     assert plan.summary.num_shared_prefixes > 0
     _check(plan, b)
+
+
+def test_warp_kernel_plans_share_with_its_shorter_tiles():
+    """The warp-level kernel may cut a batch's prefill rows into 64-row tiles: prefix tiles
+    are cut no taller, so each stays one row tile."""
+    rng = random.Random(2)
+    b = make_shared_prefix_batch(rng, num_qo_heads=16, num_kv_heads=2, head_dim=32,
+                                 page_size=16, dtype=torch.float32, num_groups=1,
+                                 sharers=(20, 20), sub_share=0.0, spec=0.0)
+    planner = Planner(16, 2, 32, 16, device="cpu", num_sms=8, arch="sm_80")
+    plan = _plan(planner, b, "table")
+    assert plan.summary.num_shared_tiles >= 3  # 20 sharers x 8 rows in tiles of 64
+    _check(plan, b)

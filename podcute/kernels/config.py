@@ -299,9 +299,8 @@ class KernelConfig:
                            f"{HEAD_DIM_STEP} below the tile's head_dim {self.head_dim}")
         if self.ragged_kv and self.second_cache:
             return False, "one second K/V source: ragged_kv or second_cache, not both"
-        if self.shared_prefix and (self.ragged_kv or self.second_cache or self.warp_mma):
-            return False, ("shared_prefix: the sm_90a kernel over one paged cache (no second "
-                           "K/V source)")
+        if self.shared_prefix and (self.ragged_kv or self.second_cache):
+            return False, "shared_prefix: over one paged cache (no second K/V source)"
         # (combine_rounds splits a thread's O columns, D / 4 with 2 rows each in an m64
         # wgmma and an m16 mma.sync accumulator alike, into even chunks)
         o_cols = self.head_dim // 4

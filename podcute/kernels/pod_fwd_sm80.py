@@ -319,7 +319,7 @@ class PodAttentionSm80(PodKernelBase):
         sQ_rows = cute.local_tile(sQ, (q_rows, d), (0, 0))
         self.load_q(io.mQ, sQ_rows, RowGather.create(self.dtype, q_rows, d, self.num_threads,
                                                   tidx, cols=self.cfg.io_dim, zero_rest=True),
-                    item)
+                    item, plan)
         # Prologue: K (and with two stages V) of the first `stages` tiles; Q goes with the
         # first. One commit group a tile, empty past n_max, so the wait in the loop counts
         # the same on every path. (The pages are set first: the compiler cannot see that
@@ -546,13 +546,14 @@ class PodAttentionSm80(PodKernelBase):
     # ---- copies -----------------------------------------------------------------------
 
     @cute.jit
-    def load_q(self, mQ: cute.Tensor, sQ: cute.Tensor, q_gather: RowGather, item: WorkItem):
+    def load_q(self, mQ: cute.Tensor, sQ: cute.Tensor, q_gather: RowGather, item: WorkItem,
+               plan: PlanTensors):
         """cp.async of the item's packed Q rows into sQ; rows past its end repeat its last
         row (valid memory, never stored)."""
-        mQ_rows = layouts.packed_rows(mQ, item.q_start, item.q_len, item.kv_head, self.group)
+        mQ_rows = self.q_rows(mQ, item)
         last_row = item.row_end - 1
-        q_gather.copy_rows(
-            sQ, lambda m, r: mQ_rows[cutlass.min(item.row_start + r, last_row), None])
+        self.copy_q(q_gather, sQ, mQ, mQ_rows, plan, item,
+                    lambda r: cutlass.min(item.row_start + r, last_row))
 
     @cute.jit
     def lookup_pages(self, kv: "KvSource", item: WorkItem, n_block: Int32):
@@ -615,7 +616,7 @@ class PodAttentionSm80(PodKernelBase):
         n_rows = item.row_end - item.row_start
         if item.split_slot >= 0:
             store_partial(acc_O, lse, tOcO, plan.mPartialO, plan.mPartialLSE, item.split_slot,
-                          Int32(0), n_rows, tidx)
+                          Int32(0), n_rows, tidx, item.partial_row)
         else:
             if const_expr(io.mLSE is not None):
                 gLSE = layouts.packed_lse(io.mLSE, item.q_start, item.q_len, item.kv_head,

@@ -773,31 +773,16 @@ class PodAttentionSm90(PodKernelBase):
         A prefill item's rows fill the tile (each MMA warpgroup reads its 64); a decode
         item's rows go to both halves (both warpgroups hold all of them). Rows past the
         item's end repeat its last row (valid memory, never stored). A shared-prefix
-        tile's rows are its sharers' (tokens from the plan's list, planning/sharing.py)."""
-        mQ_rows = layouts.packed_rows(mQ, item.q_start, item.q_len, item.kv_head, self.group)
+        tile's rows are its sharers' (`copy_q`)."""
+        mQ_rows = self.q_rows(mQ, item)
         last_row = item.row_end - 1
         row_mask = Int32(self.tile_m - 1)
         if item.is_decode:
             row_mask = Int32(WG_ROWS - 1)
         q_state = stage(q_count, 1, producer=True)
         pipeline_q.producer_acquire(q_state)
-
-        def own_row(m, r):
-            return mQ_rows[cutlass.min(item.row_start + (r & row_mask), last_row), None]
-
-        if const_expr(self.cfg.shared_prefix):
-            if item.is_prefix_tile(plan.mIParams):
-                def tile_row(m, r):
-                    tok, g = layouts.packed_coord(
-                        cutlass.min(item.row_start + (r & row_mask), last_row), self.group)
-                    return mQ[plan.mShared[item.q_start + tok], item.kv_head * self.group + g,
-                              None]
-
-                q_gather.copy_rows(sQ, tile_row)
-            else:
-                q_gather.copy_rows(sQ, own_row)
-        else:
-            q_gather.copy_rows(sQ, own_row)
+        self.copy_q(q_gather, sQ, mQ, mQ_rows, plan, item,
+                    lambda r: cutlass.min(item.row_start + (r & row_mask), last_row))
         cute.arch.cp_async_commit_group()
         pipeline_q.producer_commit(q_state)
 

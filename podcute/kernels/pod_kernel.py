@@ -103,6 +103,35 @@ class PodKernelBase:
         )
 
     @cute.jit
+    def q_rows(self, mQ: cute.Tensor, item: WorkItem) -> cute.Tensor:
+        """The item's request's packed Q rows (layouts.packed_rows)."""
+        return layouts.packed_rows(mQ, item.q_start, item.q_len, item.kv_head, self.group)
+
+    @cute.jit
+    def copy_q(self, q_gather, sQ: cute.Tensor, mQ: cute.Tensor, mQ_rows: cute.Tensor,
+               plan: PlanTensors, item: WorkItem, packed_row):
+        """Gather the item's Q rows into sQ: tile row r from the item's packed row
+        `packed_row(r)` of `mQ_rows` (`q_rows`, made by the caller where its registers are
+        cheapest). A shared-prefix tile's packed rows are its sharers' instead (their
+        tokens from the plan's list, planning/sharing.py)."""
+
+        def own_row(m, r):
+            return mQ_rows[packed_row(r), None]
+
+        if const_expr(self.cfg.shared_prefix):
+            if item.is_prefix_tile(plan.mIParams):
+                def tile_row(m, r):
+                    tok, g = layouts.packed_coord(packed_row(r), self.group)
+                    return mQ[plan.mShared[item.q_start + tok], item.kv_head * self.group + g,
+                              None]
+
+                q_gather.copy_rows(sQ, tile_row)
+            else:
+                q_gather.copy_rows(sQ, own_row)
+        else:
+            q_gather.copy_rows(sQ, own_row)
+
+    @cute.jit
     def merge_split(self, io: PodTensors, plan: PlanTensors, item: WorkItem, tidx: Int32,
                     num_threads: cutlass.Constexpr[int]):
         """After a split piece's partials are written: the group's last piece merges them

@@ -428,7 +428,7 @@ class Planner(WorkExpansion):
                            num_entries, int(n2), share)
 
     def _may_share(self, options: PlanOptions, second_cache_requests: int) -> bool:
-        """Whether this batch may share prefixes: the sm_90a kernel, one cache, no window
+        """Whether this batch may share prefixes: one cache, no window
         (the keys a window keeps move with each sharer's position), not batch-invariant
         (a request's result would depend on who shares its batch), and no CUDA graph
         holding the other kernel variant."""
@@ -437,8 +437,10 @@ class Planner(WorkExpansion):
 
     def _detect_sharing(self, page_src, q_len, kvl):
         cfg, sc = self.config, self._share_cap
+        # (tiles no taller than the shortest prefill tile a batch may get: each is then one
+        # row tile of the expansion, whatever tiling _choose_tiling picks)
         return sharing.detect(page_src, q_len, kvl, cfg.group_size, cfg.page_size,
-                              cfg.kernel.tile_m_decode, cfg.kernel.tile_m_prefill,
+                              cfg.kernel.tile_m_decode, self._tilings[-1].tile_m,
                               sc["tiles"], sc["tokens"])
 
     def _grow_share_room(self, need: dict) -> bool:
