@@ -111,3 +111,26 @@ def test_graph_replays_plans_that_change_the_sharing():
                                       seqused_k=b.seqused_k, block_table=b.block_table).float()
         rel = ((out[:n].float() - ref).norm() / ref.norm()).item()
         assert rel <= 5e-3, rel
+
+
+@pytest.mark.parametrize("d", [128, 256])
+def test_shared_prefix_over_an_fp8_cache(d):
+    from podcute.testing import quantize_kv_cache
+
+    rng = random.Random(d)
+    hq, hkv = (32, 8) if d == 128 else (16, 8)
+    b = make_shared_prefix_batch(rng, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d,
+                                 page_size=16, device="cuda")
+    k8, ks = quantize_kv_cache(b.k_cache)
+    v8, vs = quantize_kv_cache(b.v_cache)
+    attn = PODAttention(hq, hkv, d, 16, kv_dtype=torch.float8_e4m3fn)
+    s = attn.plan(b.cu_seqlens_q, b.seqused_k, block_table=b.block_table,
+                  share_prefixes=True)
+    assert s.num_shared_prefixes > 0
+    out = torch.full_like(b.q, float("nan"))
+    out = attn.run(b.q, k8, v8, out=out, k_scale=ks, v_scale=vs)
+    ref = pod_attention_reference(b.q, k8, v8, k_scale=ks, v_scale=vs, **b.kwargs())
+    torch.cuda.synchronize()
+    assert not out.isnan().any()
+    rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert rel <= TOL[torch.bfloat16], rel
