@@ -120,10 +120,13 @@ class PodKernelBase:
 
         if const_expr(self.cfg.shared_prefix):
             if item.is_prefix_tile(plan.mIParams):
+                # (origins moved once: per row only the token lookup and the head)
+                mQ_heads = cute.domain_offset((0, item.kv_head * self.group, 0), mQ)
+                mTokens = cute.domain_offset((item.q_start,), plan.mShared)
+
                 def tile_row(m, r):
                     tok, g = layouts.packed_coord(packed_row(r), self.group)
-                    return mQ[plan.mShared[item.q_start + tok], item.kv_head * self.group + g,
-                              None]
+                    return mQ_heads[mTokens[tok], g, None]
 
                 q_gather.copy_rows(sQ, tile_row)
             else:

@@ -164,18 +164,18 @@ def finish_split(
     `shared` (a shared_prefix variant): the piece's merge is its slot's plus `merge_rank`
     (a sharer's own piece), a merge waits for MergeCol.WAIT pieces, and a shared-prefix
     piece, whose merge row is a feed row, counts into each of its sharers' merges
-    instead (`feed_merges`).
+    instead (`count_and_merge_all`).
     """
     mMerge = plan.mMerge
     m = plan.mSlotMerge[split_slot] + merge_rank
     cute.arch.fence_acq_rel_gpu()
     cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
     if const_expr(shared):
+        first, count = m, Int32(1)
         if mMerge[m, MergeCol.FEED_COUNT] > 0:
-            feed_merges(io, plan, m, group, head_dim, tidx, num_threads)
-        else:
-            count_and_merge(io, plan, m, mMerge[m, MergeCol.WAIT], group, head_dim, tidx,
-                            num_threads, barrier_id, True)
+            first, count = mMerge[m, MergeCol.FEED_FIRST], mMerge[m, MergeCol.FEED_COUNT]
+        count_and_merge_all(io, plan, first, count, group, head_dim, tidx, num_threads,
+                            barrier_id)
     else:
         count_and_merge(io, plan, m, mMerge[m, MergeCol.NUM_SPLITS], group, head_dim, tidx,
                         num_threads, barrier_id, False)
@@ -226,33 +226,27 @@ def count_and_merge(io: PodTensors, plan: PlanTensors, m: Int32, wait: Int32,
 
 
 @cute.jit
-def feed_merges(io: PodTensors, plan: PlanTensors, m: Int32, group: cutlass.Constexpr[int],
-                head_dim: cutlass.Constexpr[int], tidx: Int32,
-                num_threads: cutlass.Constexpr[int]):
-    """A shared-prefix piece (feed row m, after the release barrier) counts into each of
-    its sharers' merges [FEED_FIRST, + FEED_COUNT): lane l of warp w takes merge
-    base + l * warps + w, so the atomics run in parallel, and each warp merges, on its
-    own 32 threads, the merges its lanes completed (a ballot), one after another."""
+def count_and_merge_all(io: PodTensors, plan: PlanTensors, first: Int32, count: Int32,
+                        group: cutlass.Constexpr[int], head_dim: cutlass.Constexpr[int],
+                        tidx: Int32, num_threads: cutlass.Constexpr[int],
+                        barrier_id: cutlass.Constexpr[int]):
+    """Count one piece into each of merges [first, first + count) (after the release
+    barrier; a shared_prefix variant, whose merges wait for MergeCol.WAIT pieces): thread
+    t makes merge first + t's atomic, so a feed's atomics run in parallel; then, merge by
+    merge, a barrier ORs in whether its thread completed it, and all threads merge the
+    ones completed. One merge site for own pieces and feeds: a second, warp-wide one
+    (each warp merging its lanes' merges) cost the MMA warps 12-20 bytes of spill."""
     mMerge, mMergeSem = plan.mMerge, plan.mMergeSem
-    warps = num_threads // 32
-    warp = tidx // 32
-    lane = tidx % 32
-    f0 = mMerge[m, MergeCol.FEED_FIRST]
-    fc = mMerge[m, MergeCol.FEED_COUNT]
-    for base in cutlass.range(0, fc, 32 * warps, unroll=1):
-        j = base + lane * warps + warp
-        last = False
-        if j < fc:
-            mm = f0 + j
-            done = cute.arch.atomic_add(mMergeSem.iterator + mm, Int32(1), sem="acq_rel",
-                                        scope="gpu")
-            last = done == mMerge[mm, MergeCol.WAIT] - 1
-        mask = cute.arch.vote_ballot_sync(last)
-        if mask != 0:
-            cute.arch.fence_acq_rel_gpu()
-            for b in cutlass.range(32, unroll=1):
-                if (mask >> b) & 1 != 0:
-                    mm = f0 + base + b * warps + warp
-                    merge_rows(io, plan, mm, group, head_dim, lane, 32, True)
-                    if lane == 0:
-                        mMergeSem[mm] = Int32(0)
+    for c0 in cutlass.range(0, count, num_threads, unroll=1):
+        j = c0 + tidx
+        last = Int32(0)
+        if j < count:
+            done = cute.arch.atomic_add(mMergeSem.iterator + first + j, Int32(1),
+                                        sem="acq_rel", scope="gpu")
+            last = Int32(done == mMerge[first + j, MergeCol.WAIT] - 1)
+        for t in cutlass.range(cutlass.min(num_threads, count - c0), unroll=1):
+            if barrier_or(last & Int32(tidx == t), barrier_id, num_threads) != 0:
+                cute.arch.fence_acq_rel_gpu()
+                merge_rows(io, plan, first + c0 + t, group, head_dim, tidx, num_threads, True)
+                if tidx == 0:
+                    mMergeSem[first + c0 + t] = Int32(0)
