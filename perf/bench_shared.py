@@ -94,8 +94,8 @@ def main(argv=None) -> int:
     for name in args.workloads.split(","):
         (q, k, v, cu, kvl, table), nbytes, flops = build(workloads()[name], args.page)
         roof_ms = max(flops / mm, nbytes / bw) * 1e3
-        ref = pod_attention_reference(q, k, v, cu_seqlens_q=cu, seqused_k=kvl,
-                                      block_table=table)
+        ref = pod_attention_reference(q, k, v, cu_seqlens_q=cu.cuda(), seqused_k=kvl.cuda(),
+                                      block_table=table.cuda())
         res = dict(name=name, page=args.page, roofline_ms=roof_ms, timings={}, rel_l2={},
                    plans={})
         out = torch.empty_like(q)

@@ -554,10 +554,14 @@ def make_shared_prefix_batch(rng: random.Random, *, num_qo_heads, num_kv_heads, 
     last = torch.tensor([kv - (n - 1) * ps if n else 0 for kv, n in zip(kv_lens, need)],
                         dtype=torch.int32)
     dev = torch.device(device)
-    return Batch(q=q.to(dev), k_cache=k.to(dev), v_cache=v.to(dev), cu_seqlens_q=cu,
-                 seqused_k=kvl, block_table=table, kv_indptr=indptr, kv_indices=indices,
-                 last_page_len=last, kv_layout="NHD", q_lens=tuple(q_lens),
-                 kv_lens=tuple(kv_lens))
+
+    def on(t):  # (index tensors beside the caches, as make_batch's)
+        return None if t is None else t.to(dev)
+
+    return Batch(q=q.to(dev), k_cache=k.to(dev), v_cache=v.to(dev), cu_seqlens_q=on(cu),
+                 seqused_k=on(kvl), block_table=on(table), kv_indptr=on(indptr),
+                 kv_indices=on(indices), last_page_len=on(last), kv_layout="NHD",
+                 q_lens=tuple(q_lens), kv_lens=tuple(kv_lens))
 
 
 def execute_plan(plan, q, k_cache, v_cache, sinks=None, softcap=0.0):
