@@ -121,6 +121,10 @@ class KvSource:
 
 
 class PodAttentionSm80(PodKernelBase):
+    # (its tile loops sit at the 255-register limit on sm_90: the merge keeps its 2 splits
+    # in flight, split_merge.SPLITS_IN_FLIGHT)
+    shared_merge_splits = 2
+
     def __init__(self, cfg: KernelConfig):
         super().__init__(cfg)
         self.num_threads = cfg.num_threads

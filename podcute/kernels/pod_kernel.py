@@ -30,6 +30,12 @@ class PodKernelBase:
     (`can_implement`) and launches its `kernel` (`launch_kernel`); the entry point, the
     configuration's common facts and the shared device pieces are here."""
 
+    # A sharer's merge (shared_prefix variants) loads this many of its terms at once:
+    # 8 covers S1's 7 prefix pieces and its own slot in one round trip a row pass, where
+    # 2 at a time took four, each behind its term lookup. The subclass may lower it
+    # where the merge's registers would move its tile loops' allocation.
+    shared_merge_splits = 8
+
     def __init__(self, cfg: KernelConfig):
         ok, why = cfg.can_implement()  # (the common checks, then this family's)
         if ok and cfg.kernel_class() is not type(self):
@@ -142,7 +148,8 @@ class PodKernelBase:
         if item.split_slot >= 0:
             finish_split(io, plan, item.split_slot, self.group, self.cfg.io_dim, tidx,
                          num_threads, barrier_id=NamedBarrier.MMA,
-                         merge_rank=item.merge_rank, shared=self.cfg.shared_prefix)
+                         merge_rank=item.merge_rank, shared=self.cfg.shared_prefix,
+                         shared_splits_in_flight=self.shared_merge_splits)
 
     def window_right(self, mIParams: cute.Tensor):
         """The right limit's offset from the query position (0: causal)."""

@@ -7,7 +7,7 @@ sink; the merge adds it once, as one more term of the logsumexp with no value. T
 splits are reduced in slot order (= KV order), whichever CTA merges.
 """
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -43,7 +43,7 @@ def merge_group(
     first_slot: Int32,
     num_splits: Int32,
     tidx: Int32,
-    num_threads: cutlass.Constexpr[int],
+    num_threads,  # the merging threads: a Constexpr int, or an Int32 (a warp or all)
     head_dim: cutlass.Constexpr[int],
     mSinks: Optional[cute.Tensor] = None,  # [Hq] fp32 sink logits, or None
     kv_head: Int32 = 0,  # the rows' KV head (a row's sink is its query head's)
@@ -52,6 +52,7 @@ def merge_group(
     own_row: Int32 = 0,  # the first partial row of these rows in their own slots
     terms_first: Int32 = 0,  # their prefix terms: (slot, partial row) pairs of mShared
     terms_count: Int32 = 0,
+    splits_in_flight: cutlass.Constexpr[int] = SPLITS_IN_FLIGHT,
 ):
     """Merge the partials of packed rows [row_start, row_start + n_rows) into out (+ lse).
 
@@ -67,7 +68,7 @@ def merge_group(
     threads_per_row = head_dim // COLS_PER_THREAD
     rows_per_pass = num_threads // threads_per_row
     col0 = (tidx % threads_per_row) * COLS_PER_THREAD
-    S, C = SPLITS_IN_FLIGHT, COLS_PER_THREAD
+    S, C = splits_in_flight, COLS_PER_THREAD
     split_lse = cute.make_rmem_tensor(S, Float32)
     part = cute.make_rmem_tensor((S, C), Float32)
     acc = cute.make_rmem_tensor(C, Float32)
@@ -152,6 +153,7 @@ def finish_split(
     barrier_id: cutlass.Constexpr[int],
     merge_rank: Int32 = 0,
     shared: cutlass.Constexpr[bool] = False,
+    shared_splits_in_flight: cutlass.Constexpr[int] = SPLITS_IN_FLIGHT,
 ):
     """After a split's partials are written: count it; the group's last split merges.
 
@@ -164,27 +166,28 @@ def finish_split(
     `shared` (a shared_prefix variant): the piece's merge is its slot's plus `merge_rank`
     (a sharer's own piece), a merge waits for MergeCol.WAIT pieces, and a shared-prefix
     piece, whose merge row is a feed row, counts into each of its sharers' merges
-    instead (`count_and_merge_all`).
+    instead (`count_and_merge_all`), whose merges load `shared_splits_in_flight` terms
+    at a time: a sharer's merge has a term per prefix piece, each behind a lookup.
     """
     mMerge = plan.mMerge
     m = plan.mSlotMerge[split_slot] + merge_rank
-    cute.arch.fence_acq_rel_gpu()
-    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
     if const_expr(shared):
         first, count = m, Int32(1)
         if mMerge[m, MergeCol.FEED_COUNT] > 0:
             first, count = mMerge[m, MergeCol.FEED_FIRST], mMerge[m, MergeCol.FEED_COUNT]
         count_and_merge_all(io, plan, first, count, group, head_dim, tidx, num_threads,
-                            barrier_id)
+                            barrier_id, shared_splits_in_flight)
     else:
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
         count_and_merge(io, plan, m, mMerge[m, MergeCol.NUM_SPLITS], group, head_dim, tidx,
-                        num_threads, barrier_id, False)
+                        num_threads, barrier_id)
 
 
 @cute.jit
 def merge_rows(io: PodTensors, plan: PlanTensors, m: Int32, group: cutlass.Constexpr[int],
                head_dim: cutlass.Constexpr[int], tidx: Int32,
-               num_threads: cutlass.Constexpr[int], shared: cutlass.Constexpr[bool]):
+               num_threads: cutlass.Constexpr[int]):
     """Merge row m's partials into out (+ lse), on `num_threads` threads from `tidx`."""
     mMerge = plan.mMerge
     req = mMerge[m, MergeCol.REQ]
@@ -196,21 +199,17 @@ def merge_rows(io: PodTensors, plan: PlanTensors, m: Int32, group: cutlass.Const
     gLSE = None
     if const_expr(io.mLSE is not None):
         gLSE = layouts.packed_lse(io.mLSE, q_start, q_len, kv_head, group)
-    terms = ()  # (a sharer's merge: its prefix terms and own row)
-    if const_expr(shared):
-        terms = (plan.mShared, mMerge[m, MergeCol.OWN_ROW], mMerge[m, MergeCol.TERMS_FIRST],
-                 mMerge[m, MergeCol.TERMS_COUNT])
     merge_group(gO, gLSE, plan.mPartialO, plan.mPartialLSE, row_start,
                 mMerge[m, MergeCol.ROW_END] - row_start, mMerge[m, MergeCol.FIRST_SLOT],
                 mMerge[m, MergeCol.NUM_SPLITS], tidx, num_threads, head_dim, io.mSinks,
-                kv_head, group, *terms)
+                kv_head, group)
 
 
 @cute.jit
 def count_and_merge(io: PodTensors, plan: PlanTensors, m: Int32, wait: Int32,
                     group: cutlass.Constexpr[int], head_dim: cutlass.Constexpr[int],
                     tidx: Int32, num_threads: cutlass.Constexpr[int],
-                    barrier_id: cutlass.Constexpr[int], shared: cutlass.Constexpr[bool]):
+                    barrier_id: cutlass.Constexpr[int]):
     """Count one piece into merge m (after the release barrier); the piece that completes
     it (`wait` pieces) merges, on all `num_threads` threads."""
     mMergeSem = plan.mMergeSem
@@ -220,33 +219,106 @@ def count_and_merge(io: PodTensors, plan: PlanTensors, m: Int32, wait: Int32,
         last = Int32(done == wait - 1)
     if barrier_or(last, barrier_id, num_threads) != 0:
         cute.arch.fence_acq_rel_gpu()
-        merge_rows(io, plan, m, group, head_dim, tidx, num_threads, shared)
+        merge_rows(io, plan, m, group, head_dim, tidx, num_threads)
         if tidx == 0:
             mMergeSem[m] = Int32(0)
+
+
+class MergeRow(NamedTuple):
+    """One merge's metadata (a shared_prefix variant's merge row and its request's rows),
+    loaded by its merging team once it completed. (Loaded before the atomics, each thread
+    its own merge's, and handed to a warp's lanes by shuffles, it cost the MMA warps 12
+    bytes of spill in the causal variants.)"""
+
+    q_start: Int32
+    q_len: Int32
+    kv_head: Int32
+    row_start: Int32
+    n_rows: Int32
+    first_slot: Int32
+    num_splits: Int32
+    own_row: Int32
+    terms_first: Int32
+    terms_count: Int32
+
+    @staticmethod
+    def load(plan: PlanTensors, m: Int32) -> "MergeRow":
+        mMerge = plan.mMerge
+        req = mMerge[m, MergeCol.REQ]
+        row_start = mMerge[m, MergeCol.ROW_START]
+        q_start = plan.mQStart[req]
+        return MergeRow(q_start, plan.mQStart[req + 1] - q_start, mMerge[m, MergeCol.KV_HEAD],
+                        row_start, mMerge[m, MergeCol.ROW_END] - row_start,
+                        mMerge[m, MergeCol.FIRST_SLOT], mMerge[m, MergeCol.NUM_SPLITS],
+                        mMerge[m, MergeCol.OWN_ROW], mMerge[m, MergeCol.TERMS_FIRST],
+                        mMerge[m, MergeCol.TERMS_COUNT])
 
 
 @cute.jit
 def count_and_merge_all(io: PodTensors, plan: PlanTensors, first: Int32, count: Int32,
                         group: cutlass.Constexpr[int], head_dim: cutlass.Constexpr[int],
                         tidx: Int32, num_threads: cutlass.Constexpr[int],
-                        barrier_id: cutlass.Constexpr[int]):
-    """Count one piece into each of merges [first, first + count) (after the release
-    barrier; a shared_prefix variant, whose merges wait for MergeCol.WAIT pieces): thread
-    t makes merge first + t's atomic, so a feed's atomics run in parallel; then, merge by
-    merge, a barrier ORs in whether its thread completed it, and all threads merge the
-    ones completed. One merge site for own pieces and feeds: a second, warp-wide one
-    (each warp merging its lanes' merges) cost the MMA warps 12-20 bytes of spill."""
-    mMerge, mMergeSem = plan.mMerge, plan.mMergeSem
+                        barrier_id: cutlass.Constexpr[int],
+                        splits_in_flight: cutlass.Constexpr[int] = SPLITS_IN_FLIGHT):
+    """Count one piece into each of merges [first, first + count) (a shared_prefix
+    variant, whose merges wait for MergeCol.WAIT pieces), one atomic a thread, in
+    parallel, after the release (a fence by every thread, then the barrier).
+
+    One merge (a piece of its own): all threads merge it if it completed. Several (a
+    prefix tile's piece, which feeds up to a tile's sharers): consecutive merges are
+    counted on different warps, and each warp merges the ones its lanes completed, so a
+    tile's 32 four-row merges run on 8 warps at once rather than one after another on
+    the whole CTA (S1's piece that finished last spent most of the launch there). One
+    merge_group site, the team's size a runtime value: a second, warp-sized site cost
+    the MMA warps 12-20 bytes of spill."""
+    mMergeSem = plan.mMergeSem
+    warps = num_threads // 32
+    lane, warp = tidx % 32, tidx // 32
+    alone = count == 1
+    team_tidx, team_threads = tidx, Int32(num_threads)
+    if not alone:
+        team_tidx, team_threads = lane, Int32(32)
     for c0 in cutlass.range(0, count, num_threads, unroll=1):
-        j = c0 + tidx
-        last = Int32(0)
+        j = c0 + lane * warps + warp  # the merge this thread counts (thread 0: c0)
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
+        # Relaxed, so that the WAIT load below need not wait for its answer: the fence
+        # before the barrier releases, the completing thread's fence after it acquires
+        # (then the barrier or the warp's sync and every thread's fence).
+        done = Int32(0)
         if j < count:
             done = cute.arch.atomic_add(mMergeSem.iterator + first + j, Int32(1),
-                                        sem="acq_rel", scope="gpu")
-            last = Int32(done == mMerge[first + j, MergeCol.WAIT] - 1)
-        for t in cutlass.range(cutlass.min(num_threads, count - c0), unroll=1):
-            if barrier_or(last & Int32(tidx == t), barrier_id, num_threads) != 0:
-                cute.arch.fence_acq_rel_gpu()
-                merge_rows(io, plan, first + c0 + t, group, head_dim, tidx, num_threads, True)
-                if tidx == 0:
-                    mMergeSem[first + c0 + t] = Int32(0)
+                                        sem="relaxed", scope="gpu")
+        wait = plan.mMerge[first + cutlass.min(j, count - 1), MergeCol.WAIT]
+        last = Int32(0)
+        if j < count:
+            last = Int32(done == wait - 1)
+        if last != 0:
+            cute.arch.fence_acq_rel_gpu()
+        # bit b: the merge lane b of this warp completed (alone: bit 0, merge `first`)
+        pending = Int32(0)
+        if alone:
+            pending = barrier_or(last, barrier_id, num_threads)
+        else:
+            pending = Int32(cute.arch.vote_ballot_sync(last != 0))
+            # (orders the completing lane's acquire before its warp's reads, as the
+            # barrier does for the whole CTA)
+            cute.arch.sync_warp()
+        while pending != 0:
+            b = Int32(cute.arch.clz(cute.arch.brev(pending)))
+            pending = pending & (pending - 1)
+            m = first
+            if not alone:
+                m = first + c0 + b * warps + warp
+            r = MergeRow.load(plan, m)  # (plan constants: in flight across the fence)
+            cute.arch.fence_acq_rel_gpu()
+            gO = layouts.packed_rows(io.mO, r.q_start, r.q_len, r.kv_head, group)
+            gLSE = None
+            if const_expr(io.mLSE is not None):
+                gLSE = layouts.packed_lse(io.mLSE, r.q_start, r.q_len, r.kv_head, group)
+            merge_group(gO, gLSE, plan.mPartialO, plan.mPartialLSE, r.row_start, r.n_rows,
+                        r.first_slot, r.num_splits, team_tidx, team_threads, head_dim,
+                        io.mSinks, r.kv_head, group, plan.mShared, r.own_row, r.terms_first,
+                        r.terms_count, splits_in_flight=splits_in_flight)
+            if team_tidx == 0:
+                mMergeSem[m] = Int32(0)
