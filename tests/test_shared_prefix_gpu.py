@@ -1,7 +1,8 @@
 """GPU correctness of shared-prefix plans (planning/sharing.py) against podcute.reference:
 decode batches whose requests share leading pages at one or two levels, spread over the
 batch in a random order, speculative rows among them, with requests that share nothing
-beside them; block table and CSR; causal or not; soft-capping and sinks; a multi-tile
+beside them; block table and CSR; causal or not; soft-capping and sinks; a sliding
+window; a multi-tile
 prefix (128 sharers); a CUDA graph replayed after plans that change the sharing. `out` is
 poisoned with NaN before each run (marker `gpu`)."""
 
@@ -22,15 +23,17 @@ if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 TOL = {torch.bfloat16: 5e-3, torch.float16: 2e-3}
 
 
-def _run_and_check(attn, b, fmt, dtype, causal=True, sinks=None, softcap=0.0, share=True):
+def _run_and_check(attn, b, fmt, dtype, causal=True, sinks=None, softcap=0.0, share=True,
+                   window_size=(-1, -1)):
     kw = (dict(block_table=b.block_table) if fmt == "table"
           else dict(kv_indptr=b.kv_indptr, kv_indices=b.kv_indices))
     summary = attn.plan(b.cu_seqlens_q, b.seqused_k, causal=causal, softcap=softcap,
-                        share_prefixes=share, **kw)
+                        window_size=window_size, share_prefixes=share, **kw)
     out = torch.full_like(b.q, float("nan"))
     out, lse = attn.run(b.q, b.k_cache, b.v_cache, out=out, return_lse=True, sinks=sinks)
     torch.cuda.synchronize()
-    ref, rlse = b.reference(causal=causal, return_lse=True, softcap=softcap, sinks=sinks)
+    ref, rlse = b.reference(causal=causal, return_lse=True, softcap=softcap, sinks=sinks,
+                            window_size=window_size)
     assert not out.isnan().any(), "unwritten output"
     rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
     assert rel <= TOL[dtype], rel
@@ -64,6 +67,22 @@ def test_shared_prefix_with_softcap_and_sinks():
     sinks = torch.randn(32, device="cuda")
     summary, _ = _run_and_check(attn, b, "table", torch.bfloat16, sinks=sinks, softcap=30.0)
     assert summary.num_shared_prefixes > 0
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_shared_prefix_under_a_window(causal):
+    """A sliding window: the nodes every row sees whole are shared, the others planned as
+    without sharing (sharing.detect)."""
+    rng = random.Random(21)
+    b = make_shared_prefix_batch(rng, num_qo_heads=32, num_kv_heads=8, head_dim=128,
+                                 page_size=16, num_groups=3, own_tokens=(1, 60),
+                                 device="cuda")
+    attn = PODAttention(32, 8, 128, 16)
+    for left, runs in ((500, 0), (650, 2), (4000, 4)):  # (this batch's, on the CPU)
+        window = (left, 0 if causal else 5)
+        summary, _ = _run_and_check(attn, b, "table", torch.bfloat16, causal=causal,
+                                    window_size=window)
+        assert summary.num_shared_prefixes == runs, str(summary)
 
 
 def test_many_sharers_across_tiles():

@@ -19,9 +19,10 @@ def _plan(planner, b, fmt, **kw):
     return planner.plan(b.cu_seqlens_q, b.seqused_k, **pages, **kw)
 
 
-def _check(plan, b, causal=True, sinks=None, softcap=0.0):
+def _check(plan, b, causal=True, sinks=None, softcap=0.0, window_size=(-1, -1)):
     out, lse = execute_plan(plan, b.q, b.k_cache, b.v_cache, sinks=sinks, softcap=softcap)
-    ref, rlse = b.reference(causal=causal, return_lse=True, sinks=sinks, softcap=softcap)
+    ref, rlse = b.reference(causal=causal, return_lse=True, sinks=sinks, softcap=softcap,
+                            window_size=window_size)
     rel = ((out.float() - ref).norm() / ref.norm()).item()
     assert rel < 1e-5, rel
     fin = torch.isfinite(rlse)
@@ -62,8 +63,8 @@ def test_sinks_and_softcap_merge_once():
 
 
 def test_what_is_not_shared():
-    """Partial last pages, pages past a sharer's first query, short runs, and the plans
-    that never share (a window, batch-invariant)."""
+    """Partial last pages, pages past a sharer's first query, short runs, a run a
+    window cuts, and batch-invariant plans (which never share)."""
     ps = 16
     # two decodes whose lists agree on 20 pages, but one's kv ends inside page 19: only
     # whole pages before the first query token count
@@ -84,6 +85,11 @@ def test_what_is_not_shared():
     assert runs(kv) == 1
     for kw in (dict(window_size=(100, 0)), dict(batch_invariant=True)):
         assert runs(kv, **kw) == 0
+    # A window that keeps the whole run for both rows (positions 480) and for the tile's
+    # (at most 128 / 4 tokens after it) shares it; one key short of that does not.
+    kv = torch.tensor([30 * ps + 1, 30 * ps + 1], dtype=torch.int32)
+    assert runs(kv, window_size=(30 * ps - 1, 0)) == 0
+    assert runs(kv, window_size=(30 * ps + 30, 0)) == 1
     with pytest.raises(TypeError, match="share_prefixes"):
         planner.plan(cu, kv, block_table=table, share_prefixes=1)
 
@@ -113,3 +119,38 @@ def test_warp_kernel_plans_share_with_its_shorter_tiles():
     plan = _plan(planner, b, "table")
     assert plan.summary.num_shared_tiles >= 3  # 20 sharers x 8 rows in tiles of 64
     _check(plan, b)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_windows_share_what_every_row_sees(seed):
+    """Under a sliding window a node is shared only where no sharer's row and no tile row
+    loses a key of it to the window; the rest is planned as without sharing."""
+    rng = random.Random(100 + seed)
+    b = make_shared_prefix_batch(rng, num_qo_heads=8, num_kv_heads=2, head_dim=32,
+                                 page_size=16, dtype=torch.float32, num_groups=3,
+                                 own_tokens=(1, 60))
+    planner = Planner(8, 2, 32, 16, device="cpu", num_sms=rng.choice([4, 16]))
+    causal = seed % 3 != 2
+    shared = 0
+    for left in (rng.randint(300, 900), 4000):
+        window = (left, 0 if causal else rng.choice([-1, 0, 7]))
+        plan = _plan(planner, b, "table", causal=causal, window_size=window)
+        _check(plan, b, causal, window_size=window)
+        shared += plan.summary.num_shared_prefixes
+    assert shared > 0  # (a window past every position shares as much as none)
+
+
+def test_a_window_that_would_cut_a_tile_row():
+    """24 decodes one token past a 480-token run, window 482: every sharer sees the whole
+    run, but a tile's later rows (virtual positions past the run) would not, so the run
+    is not shared; 34 keys more and it is."""
+    rng = random.Random(3)
+    b = make_shared_prefix_batch(rng, num_qo_heads=8, num_kv_heads=2, head_dim=32,
+                                 page_size=16, dtype=torch.float32, num_groups=1,
+                                 sharers=(24, 24), prefix_pages=(30, 30), sub_share=0.0,
+                                 own_tokens=(0, 0), spec=0.0, others=0)
+    planner = Planner(8, 2, 32, 16, device="cpu", num_sms=8)
+    for left, runs in ((30 * 16 + 2, 0), (30 * 16 + 34, 1)):
+        plan = _plan(planner, b, "table", window_size=(left, 0))
+        assert plan.summary.num_shared_prefixes == runs
+        _check(plan, b, window_size=(left, 0))

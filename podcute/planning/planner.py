@@ -423,25 +423,24 @@ class Planner(WorkExpansion):
         self._ensure_capacity(q_len.size, total_q, num_entries)
         share = None
         if share_prefixes and self._may_share(options, int(n2)):
-            share = self._detect_sharing(page_src, q_len, kvl)
+            share = self._detect_sharing(page_src, q_len, kvl, options)
         return self._build(cu, q_len, kvl, used, options, sm_scale, total_q, page_src,
                            num_entries, int(n2), share)
 
     def _may_share(self, options: PlanOptions, second_cache_requests: int) -> bool:
-        """Whether this batch may share prefixes: one cache, no window
-        (the keys a window keeps move with each sharer's position), not batch-invariant
-        (a request's result would depend on who shares its batch), and no CUDA graph
-        holding the other kernel variant."""
-        return (self._kernel_shares and not options.batch_invariant and not options.has_window
+        """Whether this batch may share prefixes: one cache, not batch-invariant (a
+        request's result would depend on who shares its batch), and no CUDA graph holding
+        the other kernel variant. (A window limits which nodes: sharing.detect.)"""
+        return (self._kernel_shares and not options.batch_invariant
                 and second_cache_requests == 0 and self._captured_shares is not False)
 
-    def _detect_sharing(self, page_src, q_len, kvl):
+    def _detect_sharing(self, page_src, q_len, kvl, options: PlanOptions):
         cfg, sc = self.config, self._share_cap
         # (tiles no taller than the shortest prefill tile a batch may get: each is then one
         # row tile of the expansion, whatever tiling _choose_tiling picks)
         return sharing.detect(page_src, q_len, kvl, cfg.group_size, cfg.page_size,
                               cfg.kernel.tile_m_decode, self._tilings[-1].tile_m,
-                              sc["tiles"], sc["tokens"])
+                              sc["tiles"], sc["tokens"], options.window_left)
 
     def _grow_share_room(self, need: dict) -> bool:
         """Room for a sharing plan's split slots and terms (twice what it needs); False when

@@ -21,8 +21,10 @@ How a plan changes, in the kernel's terms (metadata.py, a `shared_prefix` varian
   that combines its prefix terms (slot, row) and its own slots.
 
 Only decode-like requests share (their packed rows fit one decode tile), only whole pages
-strictly before a sharer's first query token, and not in batch-invariant plans, plans
-with a sliding window, or plans over a second K/V source (planner.py decides).
+strictly before a sharer's first query token, and not in batch-invariant plans or plans
+over a second K/V source (planner.py decides). Under a sliding window a node is shared
+only where its window drops none of its keys, for any of its sharers' rows or its tiles'
+(`detect`): the tiles then need no window of their own.
 """
 
 from __future__ import annotations
@@ -104,11 +106,19 @@ def _cut(rows: np.ndarray, tile_rows: int):
 
 
 def detect(page_src, q_len: np.ndarray, kvl: np.ndarray, group: int, page_size: int,
-           decode_rows: int, tile_rows: int, max_tiles: int,
-           max_tokens: int) -> Sharing | None:
+           decode_rows: int, tile_rows: int, max_tiles: int, max_tokens: int,
+           window_left: int = -1) -> Sharing | None:
     """The batch's shared prefixes, or None when no two decode-like requests share
     MIN_SHARED_TOKENS of whole leading pages (one sort of the first pages decides that:
-    the cost of a batch that shares nothing)."""
+    the cost of a batch that shares nothing).
+
+    `window_left` >= 0 (a sliding window: a row at position p sees keys >= p - left): a
+    node's keys [base, h) pages must all lie in every sharer row's window, so
+    max(kv_len) - 1 - left <= base * page_size over its sharers; and in its tiles' rows'
+    (virtual positions run - 1 + t, t < tile_rows / group tokens), so
+    run + tile_rows / group - 2 <= left. The plan's window then masks nothing in a tile,
+    and a sharer's own suffix moves its keys and positions together, so its window is
+    unchanged. (The keys right of a prefix are never masked: they precede every row.)"""
     rows = q_len * group
     n_pages = (kvl - q_len) // page_size  # whole pages before the first query token
     min_pages = -(-MIN_SHARED_TOKENS // page_size)
@@ -140,6 +150,7 @@ def detect(page_src, q_len: np.ndarray, kvl: np.ndarray, group: int, page_size: 
     srt = rows_bytes.argsort(kind="stable")
     P = P[srt]
     cand = cand[srt]
+    kv_sorted = kvl[cand]
     eq = P[1:] == P[:-1]
     lcp = np.where(eq.all(axis=1), width, eq.argmin(axis=1))
     # LCP intervals: each node is a run [a, b] of sorted rows sharing `h` pages, h the
@@ -167,6 +178,9 @@ def detect(page_src, q_len: np.ndarray, kvl: np.ndarray, group: int, page_size: 
             open_.pop()
         base = open_[-1][1] if open_ else 0
         kept = (h - base) * page_size >= MIN_SHARED_TOKENS
+        if kept and window_left >= 0:
+            kept = (int(kv_sorted[a: b + 1].max()) - 1 - window_left <= base * page_size
+                    and (h - base) * page_size + tile_rows // group - 2 <= window_left)
         if kept:
             nodes.append((a, b, base, h))
         open_.append((b, h if kept else base))
