@@ -15,9 +15,6 @@ each shared prefix's K/V once; flops = 4 D per (query row, visible key), the sha
 counted for every sharer (they are computed once per sharer, read once). Each result is
 checked against the float32 reference. Writes <out>/bench_shared.json and .md.
 
-"shared" plans end each CTA list in its prefix tile pieces (Planner.shared_tiles_last),
-"shared-asis" keeps the expansion's order: both are timed.
-
 Prediction (issue 45): S1 >= 5x faster with sharing than without (the prefix is 97 % of
 the bytes without), each at >= 0.85 of the roofline.
 """
@@ -102,11 +99,9 @@ def main(argv=None) -> int:
         res = dict(name=name, page=args.page, roofline_ms=roof_ms, timings={}, rel_l2={},
                    plans={})
         out = torch.empty_like(q)
-        # (shared-asis: the expansion's list order, Planner.shared_tiles_last off)
-        for mode, share in (("shared", True), ("shared-asis", True), ("plain", False)):
+        for mode, share in (("shared", True), ("plain", False)):
             att = PODAttention(HQ, HKV, D, args.page, max_batch_size=table.shape[0],
                                max_num_tokens=q.shape[0])
-            att.planner.shared_tiles_last = mode != "shared-asis"
             att.plan(cu, kvl, block_table=table, share_prefixes=share)
             res["plans"][mode] = str(att.current_plan.summary)
             out.fill_(float("nan"))
@@ -121,13 +116,11 @@ def main(argv=None) -> int:
         del q, k, v, ref
         torch.cuda.empty_cache()
     lines = [f"copy {bw / 1e12:.2f} TB/s, matmul {mm / 1e12:.0f} TFLOP/s (same run), page "
-             f"{args.page}", "", "| workload | shared ms | (lists as expanded) | plain ms | "
-             "plain / shared | roofline ms | roofline / shared | rel L2 |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"{args.page}", "", "| workload | shared ms | plain ms | plain / shared | "
+             "roofline ms | roofline / shared | rel L2 |", "|---|---|---|---|---|---|---|"]
     for r in results:
         s, p = r["timings"]["shared"]["ms"], r["timings"]["plain"]["ms"]
-        a = r["timings"]["shared-asis"]["ms"]
-        lines.append(f"| {r['name']} | {s:.4f} | {a:.4f} | {p:.4f} | {p / s:.2f} | "
+        lines.append(f"| {r['name']} | {s:.4f} | {p:.4f} | {p / s:.2f} | "
                      f"{r['roofline_ms']:.4f} | {r['roofline_ms'] / s:.2f} | "
                      f"{r['rel_l2']['shared']:.1e} |")
     md = "\n".join(lines) + "\n"

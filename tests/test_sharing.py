@@ -154,39 +154,3 @@ def test_a_window_that_would_cut_a_tile_row():
         plan = _plan(planner, b, "table", window_size=(left, 0))
         assert plan.summary.num_shared_prefixes == runs
         _check(plan, b, window_size=(left, 0))
-
-
-def test_tile_pieces_end_the_lists():
-    """Each CTA list runs its own items first and its prefix tile pieces last
-    (sharing.tiles_last), with its decode items numbered 0, 1, ... in list order, and the
-    item costs moved with their rows."""
-    from podcute.kernels.metadata import DECODE_INDEX_MASK, KIND_BITS, KIND_MASK, WorkCol
-
-    rng = random.Random(9)
-    b = make_shared_prefix_batch(rng, num_qo_heads=8, num_kv_heads=2, head_dim=32,
-                                 page_size=16, dtype=torch.float32, num_groups=2,
-                                 sharers=(12, 20))
-    planner = Planner(8, 2, 32, 16, device="cpu", num_sms=6)
-    costs = {}
-    for last in (False, True):
-        planner.shared_tiles_last = last
-        plan = _plan(planner, b, "table")
-        work = plan.work.numpy()
-        ptr = planner._h["cta_ptr"][: plan.grid + 1]
-        tile = work[:, WorkCol.REQ] > plan.batch_size
-        key = work[:, [WorkCol.REQ, WorkCol.KV_HEAD, WorkCol.ROW_START, WorkCol.KV_START]]
-        costs[last] = dict(zip(map(tuple, key.tolist()), plan.item_cost_us.tolist()))
-        moved = False
-        for c in range(plan.grid):
-            t = tile[ptr[c]: ptr[c + 1]]
-            if last:
-                assert not (t[:-1] & ~t[1:]).any(), f"CTA {c}: a tile piece before an own item"
-            moved |= bool((t[:-1] & ~t[1:]).any())
-            k = work[ptr[c]: ptr[c + 1], WorkCol.KIND]
-            dec = (k & KIND_MASK) == 1
-            assert ((k[dec] >> KIND_BITS) & DECODE_INDEX_MASK).tolist() == list(range(dec.sum()))
-        if not last:
-            assert moved  # (this batch's expansion interleaves them)
-        _check(plan, b)
-    # the same items with the same costs, in another order
-    assert len(costs[True]) == plan.num_items and costs[True] == costs[False]

@@ -70,11 +70,6 @@ def _align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-def _moved(costs, perm):
-    """(item costs, ...) with the item costs in the rows' final order."""
-    return costs if perm is None else (costs[0][perm],) + tuple(costs[1:])
-
-
 class _once:
     """A zero-argument function's value, computed on its first call (functools.cache
     without the cost of building a wrapper per plan)."""
@@ -105,10 +100,6 @@ class Planner(WorkExpansion):
     ``max_num_pages`` page-list entries (a block table costs B x the most pages any of its
     requests reads, CSR its ``kv_indices`` in use; default 2**20 entries, 4 MiB).
     """
-
-    # A sharing plan's CTA lists end in their prefix tile pieces (sharing.tiles_last);
-    # False keeps the expansion's order (perf.bench_shared measures both).
-    shared_tiles_last = True
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  device="cuda", max_batch_size: int = 256, max_num_tokens: int = 16384,
@@ -542,7 +533,6 @@ class Planner(WorkExpansion):
         if lay is None:  # (no C compiler, or a capacity the numpy path grows or reports)
             lay = self._layout_numpy(q_x, kv_x, options)
         shares = share is not None or bool(self._captured_shares)
-        moved = None  # (sharing.tiles_last's permutation of the work rows)
         num_merge, num_slots = lay.num_merge, lay.num_slots
         hs = self._h
         if shares:
@@ -563,8 +553,6 @@ class Planner(WorkExpansion):
                 return self._build(cu, q_len, kvl, used, options, sm_scale, total_q, page_src,
                                    num_entries, second_cache_requests, share)
             num_merge, num_slots, terms = out
-            if self.shared_tiles_last:
-                moved = sharing.tiles_last(hs["work"], lay.n, lay.ptr, B)
             shared_list = hs["shared"]
             shared_list[:n_tok] = share_tokens
             shared_list[n_tok: n_tok + terms.size] = terms.reshape(-1)
@@ -611,8 +599,8 @@ class Planner(WorkExpansion):
         # first read, from arrays nothing writes again: the kernel needs none of it. Until
         # then it holds the part costs and kinds (9 bytes a work row) and the cut parts'.
         rates = self._tiling.us[:2]
-        costs = _once(lambda: _moved(self._predicted_costs(
-            lay.pc, lay.kind, lay.ptr, lay.swaps, lay.n0p, lay.fixes, rates, lay.order), moved))
+        costs = _once(lambda: self._predicted_costs(lay.pc, lay.kind, lay.ptr, lay.swaps,
+                                                    lay.n0p, lay.fixes, rates, lay.order))
         counts = dict(num_requests=B, num_prefill_requests=lay.n_prefill_req,
                       num_decode_requests=lay.n_decode_req, num_split_items=lay.num_slots,
                       num_merges=lay.num_merge, grid=grid, num_shared_prefixes=0,

@@ -34,9 +34,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from podcute.planning.arrays import _ragged_arange
-from podcute.kernels.metadata import (DECODE_INDEX_MASK, KIND_BITS, KIND_MASK,
-                                      SHARE_FIELD_MASK, SHARE_OWN_BIT, SHARE_RANK_SHIFT,
-                                      SHARE_ROW_SHIFT, Kind, MergeCol, WorkCol)
+from podcute.kernels.metadata import (SHARE_FIELD_MASK, SHARE_OWN_BIT, SHARE_RANK_SHIFT,
+                                      SHARE_ROW_SHIFT, MergeCol, WorkCol)
 
 # A node is worth its partials and merges when its run holds this many tokens (two KV
 # tiles of the prefill kernel): below it a sharer reads little that it would not anyway.
@@ -412,36 +411,6 @@ def rewrite(sh: Sharing, work: np.ndarray, merge: np.ndarray, slot_merge: np.nda
     trows = np.repeat(np.broadcast_to(sh.levels_row[None, :], pieces.shape).reshape(-1), flat_p)
     terms = np.stack([tslots, trows], axis=1)
     return total_merge, total_slots, terms
-
-
-def tiles_last(work: np.ndarray, n: int, ptr: np.ndarray, B: int) -> np.ndarray | None:
-    """Move each CTA list's prefix tile pieces after its other items (in place, each
-    group in its order), and renumber the decode ordinals. Returns the permutation (new
-    row -> old row), or None when nothing moved.
-
-    Why: a sharer's merge completes with the last of its pieces. A tile's pieces feed up
-    to a tile's sharers, whose merges then run on the completing CTA's warps (4 each for
-    32 sharers); a sharer's own piece completes one merge on its whole CTA. With the own
-    pieces first, the lists end in tile pieces: the merges go to the warp-parallel site,
-    and the tiles of one KV head (the same pages) run at the same time, so L2 serves the
-    pages they all read."""
-    wk = work[:n]
-    is_tile = wk[:, WorkCol.REQ] > B
-    if not is_tile.any():
-        return None
-    cta = np.repeat(np.arange(ptr.size - 1), np.diff(ptr))
-    perm = np.lexsort((is_tile, cta))  # (stable: each group keeps its order)
-    if (perm == np.arange(n)).all():
-        return None
-    wk[:] = wk[perm]
-    kind = wk[:, WorkCol.KIND]
-    dec = (kind & KIND_MASK) == Kind.DECODE
-    before = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(dec, out=before[1:])
-    ordinal = before[:-1] - np.repeat(before[ptr[:-1]], np.diff(ptr))
-    ord_bits = DECODE_INDEX_MASK << KIND_BITS
-    kind[dec] = (kind[dec] & ~ord_bits) | (ordinal[dec] << KIND_BITS).astype(kind.dtype)
-    return perm
 
 
 def fill_merge_columns(merge: np.ndarray, num_merge: int) -> None:
