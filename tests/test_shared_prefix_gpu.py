@@ -23,6 +23,15 @@ if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 TOL = {torch.bfloat16: 5e-3, torch.float16: 2e-3}
 
 
+def _attention(*args, **kw):
+    """PODAttention, or a skip where the kernel family in use lacks the configuration
+    (PODCUTE_ARCH=sm_90 runs the warp-level kernel: head dims up to 128, no fp8 cache)."""
+    try:
+        return PODAttention(*args, **kw)
+    except NotImplementedError as e:
+        pytest.skip(str(e))
+
+
 def _run_and_check(attn, b, fmt, dtype, causal=True, sinks=None, softcap=0.0, share=True,
                    window_size=(-1, -1)):
     kw = (dict(block_table=b.block_table) if fmt == "table"
@@ -52,7 +61,7 @@ def test_shared_prefix_batches(seed, fmt):
     dtype = rng.choice([torch.bfloat16, torch.float16])
     b = make_shared_prefix_batch(rng, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d,
                                  page_size=page, dtype=dtype, page_format=fmt, device="cuda")
-    attn = PODAttention(hq, hkv, d, page, dtype=dtype)
+    attn = _attention(hq, hkv, d, page, dtype=dtype)
     causal = seed % 3 != 2
     summary, _ = _run_and_check(attn, b, fmt, dtype, causal=causal)
     assert summary.num_shared_prefixes > 0, str(summary)
@@ -63,7 +72,7 @@ def test_shared_prefix_with_softcap_and_sinks():
     rng = random.Random(7)
     b = make_shared_prefix_batch(rng, num_qo_heads=32, num_kv_heads=8, head_dim=128,
                                  page_size=16, device="cuda")
-    attn = PODAttention(32, 8, 128, 16)
+    attn = _attention(32, 8, 128, 16)
     sinks = torch.randn(32, device="cuda")
     summary, _ = _run_and_check(attn, b, "table", torch.bfloat16, sinks=sinks, softcap=30.0)
     assert summary.num_shared_prefixes > 0
@@ -77,7 +86,7 @@ def test_shared_prefix_under_a_window(causal):
     b = make_shared_prefix_batch(rng, num_qo_heads=32, num_kv_heads=8, head_dim=128,
                                  page_size=16, num_groups=3, own_tokens=(1, 60),
                                  device="cuda")
-    attn = PODAttention(32, 8, 128, 16)
+    attn = _attention(32, 8, 128, 16)
     for left, runs in ((500, 0), (650, 2), (4000, 4)):  # (this batch's, on the CPU)
         window = (left, 0 if causal else 5)
         summary, _ = _run_and_check(attn, b, "table", torch.bfloat16, causal=causal,
@@ -93,13 +102,13 @@ def test_many_sharers_across_tiles():
                                  page_size=16, num_groups=1, sharers=(128, 128),
                                  prefix_pages=(128, 128), sub_share=0.0, spec=0.0,
                                  own_tokens=(1, 300), others=0, device="cuda")
-    attn = PODAttention(32, 8, 128, 16)
+    attn = _attention(32, 8, 128, 16)
     summary, _ = _run_and_check(attn, b, "table", torch.bfloat16)
     assert summary.num_shared_tiles == 4, str(summary)
 
 
 def test_graph_replays_plans_that_change_the_sharing():
-    attn = PODAttention(32, 8, 128, 16, max_batch_size=64, max_num_tokens=512)
+    attn = _attention(32, 8, 128, 16, max_batch_size=64, max_num_tokens=512)
     batches = [make_shared_prefix_batch(random.Random(s), num_qo_heads=32, num_kv_heads=8,
                                         head_dim=128, page_size=16, device="cuda",
                                         sharers=(2, 8))
@@ -142,7 +151,7 @@ def test_shared_prefix_over_an_fp8_cache(d):
                                  page_size=16, device="cuda")
     k8, ks = quantize_kv_cache(b.k_cache)
     v8, vs = quantize_kv_cache(b.v_cache)
-    attn = PODAttention(hq, hkv, d, 16, kv_dtype=torch.float8_e4m3fn)
+    attn = _attention(hq, hkv, d, 16, kv_dtype=torch.float8_e4m3fn)
     s = attn.plan(b.cu_seqlens_q, b.seqused_k, block_table=b.block_table,
                   share_prefixes=True)
     assert s.num_shared_prefixes > 0
