@@ -119,17 +119,23 @@ def detect(page_src, q_len: np.ndarray, kvl: np.ndarray, group: int, page_size: 
     run + tile_rows / group - 2 <= left. The plan's window then masks nothing in a tile,
     and a sharer's own suffix moves its keys and positions together, so its window is
     unchanged. (The keys right of a prefix are never masked: they precede every row.)"""
-    rows = q_len * group
-    n_pages = (kvl - q_len) // page_size  # whole pages before the first query token
     min_pages = -(-MIN_SHARED_TOKENS // page_size)
-    cand = ((rows > 0) & (rows <= decode_rows) & (n_pages >= min_pages)).nonzero()[0]
-    if cand.size < 2:
-        return None
+    # The first test, as few array passes as may be (every plan pays it): candidates
+    # have 0 < rows <= decode_rows and min_pages whole pages before their first query.
+    ok = ((q_len <= decode_rows // group) & (kvl - q_len >= min_pages * page_size)
+          & (q_len > 0))
     fmt, pages, arg = page_src
-    first = pages[cand, 0] if fmt == "table" else pages[arg[cand]]
-    f = np.sort(first)
+    B = ok.size
+    f = pages[:B, 0][ok] if fmt == "table" else pages[arg[:B][ok]]
+    if f.size < 2:
+        return None
+    f.sort()
     if not (f[1:] == f[:-1]).any():
         return None
+    rows = q_len * group
+    n_pages = (kvl - q_len) // page_size  # whole pages before the first query token
+    cand = ok.nonzero()[0]
+    first = pages[cand, 0] if fmt == "table" else pages[arg[cand]]
     order = first.argsort(kind="stable")
     f = first[order]
     dup = f[1:] == f[:-1]
