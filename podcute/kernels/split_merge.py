@@ -184,51 +184,12 @@ def finish_split(
                         num_threads, barrier_id)
 
 
-@cute.jit
-def merge_rows(io: PodTensors, plan: PlanTensors, m: Int32, group: cutlass.Constexpr[int],
-               head_dim: cutlass.Constexpr[int], tidx: Int32,
-               num_threads: cutlass.Constexpr[int]):
-    """Merge row m's partials into out (+ lse), on `num_threads` threads from `tidx`."""
-    mMerge = plan.mMerge
-    req = mMerge[m, MergeCol.REQ]
-    kv_head = mMerge[m, MergeCol.KV_HEAD]
-    row_start = mMerge[m, MergeCol.ROW_START]
-    q_start = plan.mQStart[req]
-    q_len = plan.mQStart[req + 1] - q_start
-    gO = layouts.packed_rows(io.mO, q_start, q_len, kv_head, group)
-    gLSE = None
-    if const_expr(io.mLSE is not None):
-        gLSE = layouts.packed_lse(io.mLSE, q_start, q_len, kv_head, group)
-    merge_group(gO, gLSE, plan.mPartialO, plan.mPartialLSE, row_start,
-                mMerge[m, MergeCol.ROW_END] - row_start, mMerge[m, MergeCol.FIRST_SLOT],
-                mMerge[m, MergeCol.NUM_SPLITS], tidx, num_threads, head_dim, io.mSinks,
-                kv_head, group)
-
-
-@cute.jit
-def count_and_merge(io: PodTensors, plan: PlanTensors, m: Int32, wait: Int32,
-                    group: cutlass.Constexpr[int], head_dim: cutlass.Constexpr[int],
-                    tidx: Int32, num_threads: cutlass.Constexpr[int],
-                    barrier_id: cutlass.Constexpr[int]):
-    """Count one piece into merge m (after the release barrier); the piece that completes
-    it (`wait` pieces) merges, on all `num_threads` threads."""
-    mMergeSem = plan.mMergeSem
-    last = Int32(0)
-    if tidx == 0:
-        done = cute.arch.atomic_add(mMergeSem.iterator + m, Int32(1), sem="acq_rel", scope="gpu")
-        last = Int32(done == wait - 1)
-    if barrier_or(last, barrier_id, num_threads) != 0:
-        cute.arch.fence_acq_rel_gpu()
-        merge_rows(io, plan, m, group, head_dim, tidx, num_threads)
-        if tidx == 0:
-            mMergeSem[m] = Int32(0)
-
-
 class MergeRow(NamedTuple):
-    """One merge's metadata (a shared_prefix variant's merge row and its request's rows),
-    loaded by its merging team once it completed. (Loaded before the atomics, each thread
-    its own merge's, and handed to a warp's lanes by shuffles, it cost the MMA warps 12
-    bytes of spill in the causal variants.)"""
+    """One merge's metadata: its merge row and its request's rows (the prefix-term
+    columns read only by a shared_prefix variant), loaded by the merging team once the
+    merge completed. (Loaded before the atomics, each thread its own merge's, and handed
+    to a warp's lanes by shuffles, it cost the MMA warps 12 bytes of spill in the causal
+    shared variants.)"""
 
     q_start: Int32
     q_len: Int32
@@ -245,13 +206,54 @@ class MergeRow(NamedTuple):
     def load(plan: PlanTensors, m: Int32) -> "MergeRow":
         mMerge = plan.mMerge
         req = mMerge[m, MergeCol.REQ]
+        kv_head = mMerge[m, MergeCol.KV_HEAD]
         row_start = mMerge[m, MergeCol.ROW_START]
         q_start = plan.mQStart[req]
-        return MergeRow(q_start, plan.mQStart[req + 1] - q_start, mMerge[m, MergeCol.KV_HEAD],
-                        row_start, mMerge[m, MergeCol.ROW_END] - row_start,
-                        mMerge[m, MergeCol.FIRST_SLOT], mMerge[m, MergeCol.NUM_SPLITS],
+        q_len = plan.mQStart[req + 1] - q_start
+        n_rows = mMerge[m, MergeCol.ROW_END] - row_start
+        first_slot = mMerge[m, MergeCol.FIRST_SLOT]
+        num_splits = mMerge[m, MergeCol.NUM_SPLITS]
+        return MergeRow(q_start, q_len, kv_head, row_start, n_rows, first_slot, num_splits,
                         mMerge[m, MergeCol.OWN_ROW], mMerge[m, MergeCol.TERMS_FIRST],
                         mMerge[m, MergeCol.TERMS_COUNT])
+
+
+@cute.jit
+def merge_rows(io: PodTensors, plan: PlanTensors, r: MergeRow, group: cutlass.Constexpr[int],
+               head_dim: cutlass.Constexpr[int], tidx: Int32, num_threads,
+               shared: cutlass.Constexpr[bool] = False,
+               splits_in_flight: cutlass.Constexpr[int] = SPLITS_IN_FLIGHT):
+    """Merge the partials of merge row `r` into out (+ lse), on `num_threads` threads (a
+    Constexpr int, or an Int32) from `tidx`; `shared`: with its prefix terms."""
+    gO = layouts.packed_rows(io.mO, r.q_start, r.q_len, r.kv_head, group)
+    gLSE = None
+    if const_expr(io.mLSE is not None):
+        gLSE = layouts.packed_lse(io.mLSE, r.q_start, r.q_len, r.kv_head, group)
+    terms = ()
+    if const_expr(shared):
+        terms = (plan.mShared, r.own_row, r.terms_first, r.terms_count)
+    merge_group(gO, gLSE, plan.mPartialO, plan.mPartialLSE, r.row_start, r.n_rows,
+                r.first_slot, r.num_splits, tidx, num_threads, head_dim, io.mSinks,
+                r.kv_head, group, *terms, splits_in_flight=splits_in_flight)
+
+
+@cute.jit
+def count_and_merge(io: PodTensors, plan: PlanTensors, m: Int32, wait: Int32,
+                    group: cutlass.Constexpr[int], head_dim: cutlass.Constexpr[int],
+                    tidx: Int32, num_threads: cutlass.Constexpr[int],
+                    barrier_id: cutlass.Constexpr[int]):
+    """Count one piece into merge m (after the release barrier); the piece that completes
+    it (`wait` pieces) merges, on all `num_threads` threads."""
+    mMergeSem = plan.mMergeSem
+    last = Int32(0)
+    if tidx == 0:
+        done = cute.arch.atomic_add(mMergeSem.iterator + m, Int32(1), sem="acq_rel", scope="gpu")
+        last = Int32(done == wait - 1)
+    if barrier_or(last, barrier_id, num_threads) != 0:
+        cute.arch.fence_acq_rel_gpu()
+        merge_rows(io, plan, MergeRow.load(plan, m), group, head_dim, tidx, num_threads)
+        if tidx == 0:
+            mMergeSem[m] = Int32(0)
 
 
 @cute.jit
@@ -312,13 +314,7 @@ def count_and_merge_all(io: PodTensors, plan: PlanTensors, first: Int32, count: 
                 m = first + c0 + b * warps + warp
             r = MergeRow.load(plan, m)  # (plan constants: in flight across the fence)
             cute.arch.fence_acq_rel_gpu()
-            gO = layouts.packed_rows(io.mO, r.q_start, r.q_len, r.kv_head, group)
-            gLSE = None
-            if const_expr(io.mLSE is not None):
-                gLSE = layouts.packed_lse(io.mLSE, r.q_start, r.q_len, r.kv_head, group)
-            merge_group(gO, gLSE, plan.mPartialO, plan.mPartialLSE, r.row_start, r.n_rows,
-                        r.first_slot, r.num_splits, team_tidx, team_threads, head_dim,
-                        io.mSinks, r.kv_head, group, plan.mShared, r.own_row, r.terms_first,
-                        r.terms_count, splits_in_flight=splits_in_flight)
+            merge_rows(io, plan, r, group, head_dim, team_tidx, team_threads, True,
+                       splits_in_flight)
             if team_tidx == 0:
                 mMergeSem[m] = Int32(0)

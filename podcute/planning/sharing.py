@@ -126,16 +126,15 @@ def detect(page_src, q_len: np.ndarray, kvl: np.ndarray, group: int, page_size: 
           & (q_len > 0))
     fmt, pages, arg = page_src
     B = ok.size
-    f = pages[:B, 0][ok] if fmt == "table" else pages[arg[:B][ok]]
-    if f.size < 2:
+    first = pages[:B, 0][ok] if fmt == "table" else pages[arg[:B][ok]]
+    if first.size < 2:
         return None
-    f.sort()
+    f = np.sort(first)
     if not (f[1:] == f[:-1]).any():
         return None
     rows = q_len * group
     n_pages = (kvl - q_len) // page_size  # whole pages before the first query token
     cand = ok.nonzero()[0]
-    first = pages[cand, 0] if fmt == "table" else pages[arg[cand]]
     order = first.argsort(kind="stable")
     f = first[order]
     dup = f[1:] == f[:-1]
