@@ -2,9 +2,8 @@
 decode batches whose requests share leading pages at one or two levels, spread over the
 batch in a random order, speculative rows among them, with requests that share nothing
 beside them; block table and CSR; causal or not; soft-capping and sinks; a sliding
-window; a multi-tile
-prefix (128 sharers); a CUDA graph replayed after plans that change the sharing. `out` is
-poisoned with NaN before each run (marker `gpu`)."""
+window; a multi-tile prefix (128 sharers); a CUDA graph replayed after plans that change
+the sharing. `out` is poisoned with NaN before each run (marker `gpu`)."""
 
 import random
 
