@@ -123,7 +123,7 @@ class KvSource:
 class PodAttentionSm80(PodKernelBase):
     # (its tile loops sit at the 255-register limit on sm_90: the merge keeps its 2 splits
     # in flight, split_merge.SPLITS_IN_FLIGHT)
-    shared_merge_splits = 2
+    merge_splits = shared_merge_splits = 2
 
     def __init__(self, cfg: KernelConfig):
         super().__init__(cfg)

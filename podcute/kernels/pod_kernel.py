@@ -30,10 +30,13 @@ class PodKernelBase:
     (`can_implement`) and launches its `kernel` (`launch_kernel`); the entry point, the
     configuration's common facts and the shared device pieces are here."""
 
-    # A sharer's merge (shared_prefix variants) loads this many of its terms at once:
-    # 8 covers S1's 7 prefix pieces and its own slot in one round trip a row pass, where
-    # 2 at a time took four, each behind its term lookup. The subclass may lower it
+    # A merge loads this many splits at once: a 16-split prefill merge then takes a
+    # quarter of the round trips of 2 at a time (8 spilled 4 bytes in 4 of 72 sm_90a
+    # variants). A sharer's merge (shared_prefix variants) loads this many terms: 8
+    # covers S1's 7 prefix pieces and its own slot in one round trip a row pass, where
+    # 2 at a time took four, each behind its term lookup. The subclass may lower them
     # where the merge's registers would move its tile loops' allocation.
+    merge_splits = 4
     shared_merge_splits = 8
 
     def __init__(self, cfg: KernelConfig):
@@ -149,7 +152,8 @@ class PodKernelBase:
             finish_split(io, plan, item.split_slot, self.group, self.cfg.io_dim, tidx,
                          num_threads, barrier_id=NamedBarrier.MMA,
                          merge_rank=item.merge_rank, shared=self.cfg.shared_prefix,
-                         shared_splits_in_flight=self.shared_merge_splits)
+                         splits_in_flight=self.shared_merge_splits
+                         if self.cfg.shared_prefix else self.merge_splits)
 
     def window_right(self, mIParams: cute.Tensor):
         """The right limit's offset from the query position (0: causal)."""

@@ -11,7 +11,7 @@ from typing import NamedTuple, Optional
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32, Int64, const_expr
 
 from podcute import layouts
 from podcute.kernels.args import PlanTensors, PodTensors
@@ -27,9 +27,24 @@ from podcute.kernels.metadata import MergeCol
 # for two splits; and 8 columns a thread, 8 rows a pass at D 128 (4 columns took twice
 # the passes: 1.6-2.8 % of M1/M5/P1's fused time on the H200). (More splits or rows in
 # flight moved ptxas's register allocation of the warp kernel's tile loops on sm_90,
-# which sit at its 255-register limit; these two leave their local memory as it was.)
+# which sit at its 255-register limit; these two leave their local memory as it was.
+# The sm_90a kernel keeps more in flight: PodKernelBase.merge_splits.) A thread's 8
+# columns move as 16-byte vectors (`_row_chunk`).
 COLS_PER_THREAD = 8
 SPLITS_IN_FLIGHT = 2
+
+
+def _row_chunk(gX: cute.Tensor, row, col0, n: int) -> cute.Tensor:
+    """Columns [col0, col0 + n) of row `row` of gX (contiguous columns; col0 a multiple of
+    n), with the alignment they have: partial rows and out's rows start 16-byte aligned
+    (the workspace's allocation, the API's check) and n columns are whole vectors. The
+    DSL cannot see it through dynamic row strides, and element by element a merge row
+    pass took 8 loads and 8 stores where 2 and 1 do."""
+    dtype = gX.element_type
+    nbytes = n * dtype.width // 8
+    start = gX[row, None].iterator.toint() + Int64(col0 * (dtype.width // 8))
+    ptr = cute.make_ptr(dtype, start, cute.AddressSpace.gmem, assumed_align=min(16, nbytes))
+    return cute.make_tensor(ptr, cute.make_layout(n))
 
 
 @cute.jit
@@ -70,8 +85,10 @@ def merge_group(
     col0 = (tidx % threads_per_row) * COLS_PER_THREAD
     S, C = splits_in_flight, COLS_PER_THREAD
     split_lse = cute.make_rmem_tensor(S, Float32)
-    part = cute.make_rmem_tensor((S, C), Float32)
+    # (row-major: a split's C columns contiguous, each loaded as 16-byte vectors)
+    part = cute.make_rmem_tensor(cute.make_layout((S, C), stride=(C, 1)), Float32)
     acc = cute.make_rmem_tensor(C, Float32)
+    out = cute.make_rmem_tensor(C, gO.element_type)
     if tidx < rows_per_pass * threads_per_row:
         for row0 in cutlass.range(0, n_rows, rows_per_pass, unroll=1):
             row = row0 + tidx // threads_per_row
@@ -106,8 +123,8 @@ def merge_group(
                                     prow = mShared[terms_first + 2 * t + 1] + row
                             split_lse[k] = layouts.partial_lse(mPartialLSE, slot)[prow]
                             gPartial = layouts.partial_rows(mPartialO, slot)
-                            for j in cutlass.range_constexpr(C):
-                                part[k, j] = gPartial[prow, col0 + j]
+                            cute.autovec_copy(_row_chunk(gPartial, prow, col0, C),
+                                              part[k, None])
                     new_max = row_max
                     for k in cutlass.range_constexpr(S):
                         new_max = cutlass.max(new_max, split_lse[k])
@@ -132,7 +149,8 @@ def merge_group(
                 if total > Float32(0.0):
                     inv = Float32(1.0) / total
                 for j in cutlass.range_constexpr(C):
-                    gO[row_start + row, col0 + j] = (acc[j] * inv).to(gO.element_type)
+                    out[j] = (acc[j] * inv).to(gO.element_type)
+                cute.autovec_copy(out, _row_chunk(gO, row_start + row, col0, C))
                 if const_expr(gLSE is not None):
                     if tidx % threads_per_row == 0:
                         row_lse = -Float32.inf
@@ -153,7 +171,7 @@ def finish_split(
     barrier_id: cutlass.Constexpr[int],
     merge_rank: Int32 = 0,
     shared: cutlass.Constexpr[bool] = False,
-    shared_splits_in_flight: cutlass.Constexpr[int] = SPLITS_IN_FLIGHT,
+    splits_in_flight: cutlass.Constexpr[int] = SPLITS_IN_FLIGHT,
 ):
     """After a split's partials are written: count it; the group's last split merges.
 
@@ -166,8 +184,8 @@ def finish_split(
     `shared` (a shared_prefix variant): the piece's merge is its slot's plus `merge_rank`
     (a sharer's own piece), a merge waits for MergeCol.WAIT pieces, and a shared-prefix
     piece, whose merge row is a feed row, counts into each of its sharers' merges
-    instead (`count_and_merge_all`), whose merges load `shared_splits_in_flight` terms
-    at a time: a sharer's merge has a term per prefix piece, each behind a lookup.
+    instead (`count_and_merge_all`). Either merge loads `splits_in_flight` splits (or
+    terms) at a time.
     """
     mMerge = plan.mMerge
     m = plan.mSlotMerge[split_slot] + merge_rank
@@ -176,12 +194,12 @@ def finish_split(
         if mMerge[m, MergeCol.FEED_COUNT] > 0:
             first, count = mMerge[m, MergeCol.FEED_FIRST], mMerge[m, MergeCol.FEED_COUNT]
         count_and_merge_all(io, plan, first, count, group, head_dim, tidx, num_threads,
-                            barrier_id, shared_splits_in_flight)
+                            barrier_id, splits_in_flight)
     else:
         cute.arch.fence_acq_rel_gpu()
         cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
         count_and_merge(io, plan, m, mMerge[m, MergeCol.NUM_SPLITS], group, head_dim, tidx,
-                        num_threads, barrier_id)
+                        num_threads, barrier_id, splits_in_flight)
 
 
 class MergeRow(NamedTuple):
@@ -241,7 +259,8 @@ def merge_rows(io: PodTensors, plan: PlanTensors, r: MergeRow, group: cutlass.Co
 def count_and_merge(io: PodTensors, plan: PlanTensors, m: Int32, wait: Int32,
                     group: cutlass.Constexpr[int], head_dim: cutlass.Constexpr[int],
                     tidx: Int32, num_threads: cutlass.Constexpr[int],
-                    barrier_id: cutlass.Constexpr[int]):
+                    barrier_id: cutlass.Constexpr[int],
+                    splits_in_flight: cutlass.Constexpr[int] = SPLITS_IN_FLIGHT):
     """Count one piece into merge m (after the release barrier); the piece that completes
     it (`wait` pieces) merges, on all `num_threads` threads."""
     mMergeSem = plan.mMergeSem
@@ -251,7 +270,8 @@ def count_and_merge(io: PodTensors, plan: PlanTensors, m: Int32, wait: Int32,
         last = Int32(done == wait - 1)
     if barrier_or(last, barrier_id, num_threads) != 0:
         cute.arch.fence_acq_rel_gpu()
-        merge_rows(io, plan, MergeRow.load(plan, m), group, head_dim, tidx, num_threads)
+        merge_rows(io, plan, MergeRow.load(plan, m), group, head_dim, tidx, num_threads,
+                   splits_in_flight=splits_in_flight)
         if tidx == 0:
             mMergeSem[m] = Int32(0)
 
