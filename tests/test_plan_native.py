@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from podcute.planning import native as plan_native
+from podcute.planning import sharing
 from podcute.planning import H100_HBM_BYTES_PER_SM_CLOCK, Planner
 from podcute.testing import mixed_lengths
 
@@ -102,3 +103,53 @@ def test_capacity_overflow_falls_back_and_grows():
     table = np.arange(n * 600, dtype=np.int32).reshape(n, 600)
     _assert_same(native.plan(cu, kvl, block_table=table), ref.plan(cu, kvl, block_table=table),
                  "grown")
+
+
+
+def _first_pages_repeat(page_src, q_len, kvl, max_q, min_kv):
+    """numpy's answer to sharing's first test."""
+    fmt, pages, arg = page_src
+    ok = (q_len > 0) & (q_len <= max_q) & (kvl - q_len >= min_kv)
+    first = pages[: q_len.size, 0][ok] if fmt == "table" else pages[arg[:-1][ok]]
+    return np.unique(first).size < first.size
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_sharing_first_test_in_the_expansion(seed, monkeypatch):
+    """plan(share_prefixes=True) looks for a prefix tree (sharing.detect) exactly when two
+    candidates start on the same page: the C expansion's answer to the first test agrees
+    with numpy's on block tables (int32, int64, row views) and CSR, candidates or not."""
+    rng = np.random.default_rng(seed)
+    planner = Planner(16, 4, 64, 16, device="cpu", max_batch_size=300, max_num_tokens=2048)
+    assert planner._native is not None
+    max_q, min_kv = sharing.candidate_bounds(4, 16, planner.config.kernel.tile_m_decode)
+    calls = []
+    monkeypatch.setattr(sharing, "detect", lambda *a, **k: calls.append(1))
+    B = int(rng.integers(1, 300))
+    q_len = rng.integers(0, max_q + 2, B).astype(np.int64)
+    kvl = q_len + rng.integers(0, 600, B)
+    cu = np.concatenate([[0], np.cumsum(q_len)]).astype(np.int32)
+    width = 40
+    table = rng.permutation(100000)[: B * width].reshape(B, width)
+    cand = ((q_len > 0) & (q_len <= max_q) & (kvl - q_len >= min_kv)).nonzero()[0]
+    if seed % 4 == 1 and cand.size > 1:  # a repeat between two candidates
+        a, b = rng.choice(cand, 2, replace=False)
+        table[b, 0] = table[a, 0]
+    elif seed % 4 == 3 and B > 1:  # one that may involve other requests
+        a, b = rng.choice(B, 2, replace=False)
+        table[b, 0] = table[a, 0]
+    kv32 = kvl.astype(np.int32)
+    for dtype in (np.int32, np.int64):
+        t = table.astype(dtype)
+        wide = np.concatenate([t, t], axis=1)
+        indptr = np.arange(B + 1, dtype=np.int64) * width
+        for pages, src in ((dict(block_table=t), ("table", t, width)),
+                           (dict(block_table=wide[:, :width]), ("table", t, width)),
+                           (dict(kv_indptr=indptr.astype(np.int32), kv_indices=t.reshape(-1)),
+                            ("csr", t.reshape(-1), indptr))):
+            calls.clear()
+            planner.plan(cu, kv32, **pages, share_prefixes=True)
+            assert bool(calls) == _first_pages_repeat(src, q_len, kvl, max_q, min_kv)
+            calls.clear()
+            planner.plan(cu, kv32, **pages)
+            assert not calls

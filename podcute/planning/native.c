@@ -44,6 +44,11 @@ typedef struct {
     /* scratch memory (caller-owned) and what this plan used of it */
     char *scratch;
     int64_t scratch_size, scratch_wanted;
+    /* sharing's first test (share_pages NULL: not asked; first_pages_repeat) */
+    const void *share_pages;
+    const int64_t *share_indptr;
+    int64_t share_max_q, share_min_kv, share_elem_bytes, share_row_stride;
+    int64_t first_repeat; /* out: 1, 0, or -1 (not run / undecided: numpy decides) */
 } PlanIO;
 
 static inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -147,11 +152,53 @@ STABLE_ARGSORT(argsort_f64, double)
 #define NEW(T, n) ((T *)take(&ar, (size_t)(n) * sizeof(T)))
 #define CHECK(p) do { if (!(p)) { rc = -1; goto done; } } while (0)
 
+/* Sharing's first test (planning/sharing.py, detect): whether two candidates (0 < q_len <=
+ * max_q and kv_len - q_len >= min_kv) have the same first page. Pages: a block table
+ * (indptr NULL: request b's first page at pages[b * row_stride]) or CSR indices
+ * (pages[indptr[b]]), of 4- or 8-byte integers. An open-addressing set of the first pages
+ * seen: O(candidates), beside the expansion that reads q_len and kv_len anyway, where
+ * numpy's mask, gather and sort cost a plan ~9 us at B = 256 (a separate ctypes call,
+ * with its array addresses, cost 6). Returns 1 (a page repeats: detect builds the tree),
+ * 0 (nothing is shared) or -1 (out of memory, or a page equal to the set's empty mark:
+ * detect decides in numpy). */
+static int first_pages_repeat(int64_t B, const int64_t *q_len, const int64_t *kv_len,
+                              int64_t max_q, int64_t min_kv, const void *pages,
+                              int64_t elem_bytes, int64_t row_stride, const int64_t *indptr) {
+    const int64_t EMPTY = INT64_MIN;
+    int64_t cap = 64;
+    while (cap < 2 * B) cap <<= 1;
+    int64_t local[256];
+    int64_t *set = cap <= 256 ? local : malloc((size_t)cap * sizeof(int64_t));
+    if (!set) return -1;
+    for (int64_t i = 0; i < cap; i++) set[i] = EMPTY;
+    int rc = 0;
+    for (int64_t b = 0; b < B && rc == 0; b++) {
+        int64_t q = q_len[b];
+        if (q <= 0 || q > max_q || kv_len[b] - q < min_kv) continue;
+        int64_t at = indptr ? indptr[b] : b * row_stride;
+        int64_t page = elem_bytes == 4 ? (int64_t)((const int32_t *)pages)[at]
+                                       : ((const int64_t *)pages)[at];
+        if (page == EMPTY) { rc = -1; break; }
+        uint64_t h = (uint64_t)page * 0x9E3779B97F4A7C15ull;
+        int64_t i = (int64_t)(h >> 40) & (cap - 1);
+        while (set[i] != EMPTY && set[i] != page) i = (i + 1) & (cap - 1);
+        if (set[i] == page) rc = 1;
+        else set[i] = page;
+    }
+    if (set != local) free(set);
+    return rc;
+}
+
 int podcute_build(PlanIO *io) {
     Arena ar = {io->scratch, (size_t)io->scratch_size, 0, 0, {0}, 0};
     int rc = 0;
     const int64_t B = io->B, G = io->G, Hkv = io->Hkv, tn = io->tn, grid = io->grid;
     const int has_left = io->left >= 0;
+    io->first_repeat = io->share_pages
+        ? first_pages_repeat(B, io->q_len, io->kv_len, io->share_max_q, io->share_min_kv,
+                             io->share_pages, io->share_elem_bytes, io->share_row_stride,
+                             io->share_indptr)
+        : -1;
 
     /* ---- groups: prefill (request, kv head, row tile), then decode (request, kv head) -- */
     int64_t n_pre = 0, n_dec = 0, n_tiles = 0;
@@ -575,3 +622,4 @@ done:
     release(&ar);
     return rc;
 }
+

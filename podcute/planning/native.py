@@ -55,6 +55,9 @@ class _PlanIO(ctypes.Structure):
         ("n_decode_req", _I64), ("n0p", _I64), ("n0d", _I64), ("num_fix", _I64),
         ("num_swaps", _I64), ("both", _I64), ("grouped", _I64),
         ("scratch", _P), ("scratch_size", _I64), ("scratch_wanted", _I64),
+        ("share_pages", _P), ("share_indptr", _P), ("share_max_q", _I64),
+        ("share_min_kv", _I64), ("share_elem_bytes", _I64), ("share_row_stride", _I64),
+        ("first_repeat", _I64),
     ]
 
 
@@ -120,10 +123,15 @@ class NativeBuilder:
         self._fn.argtypes = [ctypes.c_void_p]
         self._fn.restype = ctypes.c_int
 
-    def build(self, planner, q_len: np.ndarray, kvl: np.ndarray, options):
-        """The batch's Layout (the rows written to the planner's staging buffers), or
+    def build(self, planner, q_len: np.ndarray, kvl: np.ndarray, options, share_test=None):
+        """(the batch's Layout (the rows written to the planner's staging buffers), or
         None when a capacity would be exceeded (the numpy path then grows the buffers or
-        raises, as it does)."""
+        raises, as it does); the answer to sharing's first test).
+
+        `share_test`: (page source, max q_len, min kv_len - q_len) of sharing's
+        candidates, or None. The answer is whether two candidates start on the same page
+        (sharing.detect's first test), or None when not asked or C cannot say (pages of
+        another dtype or layout: numpy decides)."""
         bufs = planner.__dict__.get("_native_bufs")
         if bufs is None or bufs.epoch != planner.buffer_epoch:
             bufs = planner._native_bufs = _Buffers(planner)
@@ -137,11 +145,13 @@ class NativeBuilder:
         io.bounded, io.right, io.left = options.bounded_right, options.right, options.window_left
         io.has_window, io.invariant = options.has_window, options.batch_invariant
         io.group = planner._group_kinds  # (each list by kind: Planner._group_lists)
+        io.share_pages = _share_pages(io, share_test) if share_test is not None else None
         rc = self._fn(bufs.ref)
+        first_repeat = None if io.first_repeat < 0 else bool(io.first_repeat)
         if io.scratch_wanted > io.scratch_size:  # (it used malloc'ed blocks this time)
             bufs.grow_scratch(2 * io.scratch_wanted)
         if rc != 0:
-            return None
+            return None, first_repeat
         n, m2, ns = io.n, io.num_fix, io.num_swaps
         kind = bufs.kind[:n].view(np.bool_).copy() if io.both else None
         fixes = None
@@ -151,7 +161,30 @@ class NativeBuilder:
         swaps = (bufs.swap_a[:ns].copy(), bufs.swap_f[:ns].copy()) if ns else None
         order = bufs.order[:n].copy() if io.grouped else None
         return Layout(n, io.num_merge, io.num_slots, bufs.ptr.copy(), bufs.pc[:n].copy(), kind,
-                      swaps, fixes, io.n0p, io.n0d, io.n_prefill_req, io.n_decode_req, order)
+                      swaps, fixes, io.n0p, io.n0d, io.n_prefill_req, io.n_decode_req,
+                      order), first_repeat
+
+
+def _share_pages(io, share_test):
+    """Set sharing's first test's fields of `io` but its pages; return their address, or
+    None (not asked) where C cannot read them: pages of another dtype or with gaps in
+    a row."""
+    (fmt, pages, arg), max_q, min_kv = share_test
+    size = pages.dtype.itemsize
+    if pages.dtype.kind != "i" or size not in (4, 8):
+        return None
+    if fmt == "table":
+        if pages.ndim != 2 or pages.strides[1] != size or pages.strides[0] % size:
+            return None
+        io.share_row_stride, io.share_indptr = pages.strides[0] // size, None
+    else:
+        if pages.ndim != 1 or arg.dtype != np.int64 or not arg.flags.c_contiguous:
+            return None
+        if pages.strides[0] != size:
+            return None
+        io.share_indptr = _addr(arg)
+    io.share_max_q, io.share_min_kv, io.share_elem_bytes = max_q, min_kv, size
+    return _addr(pages)
 
 
 # The C side writes rows by these column numbers (native.c's enums).

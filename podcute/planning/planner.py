@@ -421,11 +421,9 @@ class Planner(WorkExpansion):
         if not isinstance(share_prefixes, (bool, np.bool_)):
             raise TypeError(f"share_prefixes must be a bool, got {type(share_prefixes).__name__}")
         self._ensure_capacity(q_len.size, total_q, num_entries)
-        share = None
-        if share_prefixes and self._may_share(options, int(n2)):
-            share = self._detect_sharing(page_src, q_len, kvl, options)
+        detect = bool(share_prefixes) and self._may_share(options, int(n2))
         return self._build(cu, q_len, kvl, used, options, sm_scale, total_q, page_src,
-                           num_entries, int(n2), share)
+                           num_entries, int(n2), None, detect)
 
     def _may_share(self, options: PlanOptions, second_cache_requests: int) -> bool:
         """Whether this batch may share prefixes: one cache, not batch-invariant (a
@@ -514,11 +512,17 @@ class Planner(WorkExpansion):
     # ---- work (the expansion itself: expand.WorkExpansion) ------------------------------
 
     def _build(self, cu, q_len, kvl, used, options, sm_scale, total_q, page_src,
-               num_entries, second_cache_requests: int = 0, share=None) -> Plan:
+               num_entries, second_cache_requests: int = 0, share=None,
+               detect: bool = False) -> Plan:
         """Expand the batch into work rows, CTA lists, split slots and merges (written into
         the staging buffers: native's C, else the numpy code of expand.py, which compute
         the same plan bit for bit), copy and check the pages, then write the rest of the
-        metadata and make the Plan."""
+        metadata and make the Plan.
+
+        `detect`: look for shared prefixes (sharing.detect) and plan them if found. The
+        C expansion answers detect's first test while it reads the batch, so a batch
+        that shares nothing pays ~1 us for it rather than numpy's ~9; a batch whose
+        first pages repeat is expanded again with its sharing."""
         self._sync_staging()
         B = q_len.size
         q_x, kv_x = q_len, kvl
@@ -527,9 +531,19 @@ class Planner(WorkExpansion):
             q_x, kv_x, kv_kernel, ps_x, qs_x, share_tokens = sharing.augment(
                 share, q_len, kvl, self._page_starts(page_src, B), cu, self.config.page_size)
         self._tiling = self._choose_tiling(q_x, options)
-        lay = None
+        lay, first_repeat = None, None
         if self._native is not None:
-            lay = self._native.build(self, q_x, kv_x, options)
+            cfg = self.config
+            test = None
+            if detect:
+                test = (page_src, *sharing.candidate_bounds(
+                    cfg.group_size, cfg.page_size, cfg.kernel.tile_m_decode))
+            lay, first_repeat = self._native.build(self, q_x, kv_x, options, test)
+        if detect and first_repeat is not False:
+            share = self._detect_sharing(page_src, q_len, kvl, options)
+            if share is not None:
+                return self._build(cu, q_len, kvl, used, options, sm_scale, total_q, page_src,
+                                   num_entries, second_cache_requests, share)
         if lay is None:  # (no C compiler, or a capacity the numpy path grows or reports)
             lay = self._layout_numpy(q_x, kv_x, options)
         shares = share is not None or bool(self._captured_shares)

@@ -105,6 +105,12 @@ def _cut(rows: np.ndarray, tile_rows: int):
     return tile, row, first, np.diff(first, append=n)
 
 
+def candidate_bounds(group: int, page_size: int, decode_rows: int) -> tuple[int, int]:
+    """(max q_len, min kv_len - q_len) of the requests that may share: their packed rows
+    fit a decode tile, and MIN_SHARED_TOKENS of whole pages precede their first query."""
+    return decode_rows // group, -(-MIN_SHARED_TOKENS // page_size) * page_size
+
+
 def detect(page_src, q_len: np.ndarray, kvl: np.ndarray, group: int, page_size: int,
            decode_rows: int, tile_rows: int, max_tiles: int, max_tokens: int,
            window_left: int = -1) -> Sharing | None:
@@ -119,11 +125,10 @@ def detect(page_src, q_len: np.ndarray, kvl: np.ndarray, group: int, page_size: 
     run + tile_rows / group - 2 <= left. The plan's window then masks nothing in a tile,
     and a sharer's own suffix moves its keys and positions together, so its window is
     unchanged. (The keys right of a prefix are never masked: they precede every row.)"""
-    min_pages = -(-MIN_SHARED_TOKENS // page_size)
-    # The first test, as few array passes as may be (every plan pays it): candidates
-    # have 0 < rows <= decode_rows and min_pages whole pages before their first query.
-    ok = ((q_len <= decode_rows // group) & (kvl - q_len >= min_pages * page_size)
-          & (q_len > 0))
+    max_q, min_kv = candidate_bounds(group, page_size, decode_rows)
+    # The first test, as few array passes as may be (a plan without the C expansion pays
+    # it; native.c's first_pages_repeat answers it in the others' expansion).
+    ok = (q_len <= max_q) & (kvl - q_len >= min_kv) & (q_len > 0)
     fmt, pages, arg = page_src
     B = ok.size
     first = pages[:B, 0][ok] if fmt == "table" else pages[arg[:B][ok]]
