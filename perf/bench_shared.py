@@ -78,7 +78,9 @@ def build(spec, page, dtype=torch.bfloat16, seed=0):
     return (q, k, v, cu, kvl, table), kv_bytes + qo_bytes, flops
 
 
-def main(argv=None) -> int:
+def main(argv=None, specs=None) -> int:
+    """`specs`: name -> workload spec as workloads() gives them (default: S1-S3)."""
+    specs = workloads() if specs is None else specs
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--reps", type=int, default=30)
@@ -92,7 +94,7 @@ def main(argv=None) -> int:
     mm, bw = ceil["matmul_flops_per_s"], ceil["copy_bytes_per_s"]
     results = []
     for name in args.workloads.split(","):
-        (q, k, v, cu, kvl, table), nbytes, flops = build(workloads()[name], args.page)
+        (q, k, v, cu, kvl, table), nbytes, flops = build(specs[name], args.page)
         roof_ms = max(flops / mm, nbytes / bw) * 1e3
         ref = pod_attention_reference(q, k, v, cu_seqlens_q=cu.cuda(), seqused_k=kvl.cuda(),
                                       block_table=table.cuda())
