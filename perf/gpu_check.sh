@@ -11,8 +11,10 @@
 #                                             legacy wrapper's ragged K/V, BatchPOD's
 #                                             second cache)
 #                                             shared shared-memcheck shared-racecheck
-#                                             shared-bench (shared-prefix plans: the GPU
-#                                             tests, the sanitizers, perf.bench_shared)
+#                                             shared-bench shared-parts (shared-prefix
+#                                             plans: the GPU tests, the sanitizers,
+#                                             perf.bench_shared, its parts'
+#                                             batches)
 #                                             ncu-W-PAGE
 #                                             (ncu of workload W at page PAGE, e.g. ncu-F1-16)
 #                                             ncu-fa4-W-PAGE (the same batch through FA4)
@@ -133,6 +135,8 @@ for s in "$@"; do
         --error-exitcode 3 --kernel-regex kns=kernel_cutlass python tests/gpu_sanitize.py \
         --shared --small ;;
     shared-bench) step shared-bench 200 python -m perf.bench_shared --out "$OUT/shared-bench" ;;
+    shared-parts) step shared-parts 300 python -m perf.experiments.shared_parts \
+        --out "$OUT/shared-parts" ;;
     features) step features 500 env PODCUTE_GPU_REPORT="$OUT/features_report.json" \
         python -m pytest -q -x -m gpu tests/test_kernel_gpu.py -k "feature or invariant or nothing" ;;
     kernel) step kernel 420 env PODCUTE_GPU_REPORT="$OUT/kernel_report.json" \
