@@ -252,9 +252,8 @@ int podcute_build(PlanIO *io) {
                 }
             f += L;
         }
-        const int64_t half = (n0p + 1) / 2;
         for (int64_t i = 0; i < n0p; i++) {
-            /* zig[2i] = by_len[n0p - 1 - i] (i < half); zig[2i + 1] = by_len[i] */
+            /* zig[2i] = by_len[n0p - 1 - i]; zig[2i + 1] = by_len[i] (the longest first) */
             int64_t src = (i % 2 == 0) ? n0p - 1 - i / 2 : i / 2;
             int64_t tt = ord_t[src], te = srt[src / Hkv]; /* (a run's tiles share e, b) */
             g_req[i] = t_req[tt]; g_head[i] = (int32_t)ord_h[src];
@@ -282,7 +281,7 @@ int podcute_build(PlanIO *io) {
 
     /* ---- pieces of each kind: groups pre-split to <= the kind's work per CTA ----------- */
     int nk = 0, k_kind[2];
-    int64_t k_lo[2], k_hi[2], nch_k[2] = {0, 0};
+    int64_t k_lo[2], k_hi[2];
     double k_rate[2];
     if (n0p) { k_kind[nk] = PREFILL; k_lo[nk] = 0; k_hi[nk] = n0p; k_rate[nk++] = io->r_p; }
     if (n0d) { k_kind[nk] = DECODE; k_lo[nk] = n0p; k_hi[nk] = n0; k_rate[nk++] = io->r_d; }
@@ -335,7 +334,6 @@ int podcute_build(PlanIO *io) {
     for (int k = 0; k < nk; k++) {
         int64_t cnt = 0;
         for (int64_t g = k_lo[k]; g < k_hi[k]; g++) cnt += split_k[k] ? nch[g] : 1;
-        nch_k[k] = cnt;
         n1 += cnt;
         if (k_kind[k] == PREFILL) n1p = cnt;
     }
