@@ -105,7 +105,6 @@ def test_capacity_overflow_falls_back_and_grows():
                  "grown")
 
 
-
 def _first_pages_repeat(page_src, q_len, kvl, max_q, min_kv):
     """numpy's answer to sharing's first test."""
     fmt, pages, arg = page_src

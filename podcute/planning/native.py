@@ -178,9 +178,8 @@ def _share_pages(io, share_test):
             return None
         io.share_row_stride, io.share_indptr = pages.strides[0] // size, None
     else:
-        if pages.ndim != 1 or arg.dtype != np.int64 or not arg.flags.c_contiguous:
-            return None
-        if pages.strides[0] != size:
+        if (pages.ndim != 1 or pages.strides[0] != size or arg.dtype != np.int64
+                or not arg.flags.c_contiguous):
             return None
         io.share_indptr = _addr(arg)
     io.share_max_q, io.share_min_kv, io.share_elem_bytes = max_q, min_kv, size
