@@ -131,9 +131,9 @@ def detect(page_src, q_len: np.ndarray, kvl: np.ndarray, group: int, page_size: 
     ok = (q_len <= max_q) & (kvl - q_len >= min_kv) & (q_len > 0)
     fmt, pages, arg = page_src
     B = ok.size
-    first = pages[:B, 0][ok] if fmt == "table" else pages[arg[:B][ok]]
-    if first.size < 2:
+    if int(ok.sum()) < 2:  # (also an empty batch, or a table without columns)
         return None
+    first = pages[:B, 0][ok] if fmt == "table" else pages[arg[:B][ok]]
     f = np.sort(first)
     if not (f[1:] == f[:-1]).any():
         return None
