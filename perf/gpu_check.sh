@@ -11,10 +11,10 @@
 #                                             legacy wrapper's ragged K/V, BatchPOD's
 #                                             second cache)
 #                                             shared shared-memcheck shared-racecheck
-#                                             shared-bench shared-parts (shared-prefix
-#                                             plans: the GPU tests, the sanitizers,
-#                                             perf.bench_shared, its parts'
-#                                             batches)
+#                                             shared-bench shared-parts share-pays
+#                                             (shared-prefix plans: the GPU tests, the
+#                                             sanitizers, perf.bench_shared, its parts'
+#                                             batches, when sharing pays)
 #                                             ncu-W-PAGE
 #                                             (ncu of workload W at page PAGE, e.g. ncu-F1-16)
 #                                             ncu-fa4-W-PAGE (the same batch through FA4)
@@ -137,6 +137,8 @@ for s in "$@"; do
     shared-bench) step shared-bench 200 python -m perf.bench_shared --out "$OUT/shared-bench" ;;
     shared-parts) step shared-parts 300 python -m perf.experiments.shared_parts \
         --out "$OUT/shared-parts" ;;
+    share-pays) step share-pays 300 python -m perf.experiments.share_pays \
+        --out "$OUT/share-pays" ;;
     features) step features 500 env PODCUTE_GPU_REPORT="$OUT/features_report.json" \
         python -m pytest -q -x -m gpu tests/test_kernel_gpu.py -k "feature or invariant or nothing" ;;
     kernel) step kernel 420 env PODCUTE_GPU_REPORT="$OUT/kernel_report.json" \
