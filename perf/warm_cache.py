@@ -82,6 +82,10 @@ def _warm(args) -> int:
         cfgs += [select(**kw) for kw in feature_test_variants()]
         cfgs += [select(**kw) for kw in wide_test_variants()]  # test_random_wide
         cfgs += [select(**kw) for kw in head_size_test_variants()]
+        # plans share prefixes by default: the shared_prefix twins of the demo's, the
+        # benchmarks' and the compat tests' variants (perf.bench_shared, share_pays)
+        cfgs += [select("bfloat16", 128, 4, True, lse, page, shared_prefix=True)
+                 for lse in (True, False) for page in (1, 16, 128)]
         # tests/gpu_sanitize.py's feature cases
         cfgs += [select("bfloat16", 128, g, True, True, page, **f)
                  for g, page, f in ((4, 16, dict(window=True, softcap=True, has_sinks=True)),

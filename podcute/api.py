@@ -115,7 +115,7 @@ class PODAttention:
     def plan(self, cu_seqlens_q, kv_lens=None, block_table=None, kv_indptr=None,
              kv_indices=None, last_page_len=None, causal: bool = True,
              sm_scale: float | None = None, *, window_size=(-1, -1), softcap: float = 0.0,
-             batch_invariant: bool = False, share_prefixes: bool = False,
+             batch_invariant: bool = False, share_prefixes: bool = True,
              _kv_name: str = "kv_lens", _second_cache_requests: int = 0) -> PlanSummary:
         """Plan a batch. `cu_seqlens_q` int32 [B+1]; KV lengths from `kv_lens` int32 [B] or
         FlashInfer's `last_page_len` (with CSR pages); pages from `block_table` int32
@@ -126,8 +126,9 @@ class PODAttention:
         unbounded); `softcap > 0`: logits soft-capped to softcap * tanh(s / softcap);
         `batch_invariant`: a request's output is bitwise the same whatever shares its
         batch (docs/contract.md); `share_prefixes`: leading pages that several requests
-        share are attended once for all of them (opt-in until its kernel path has passed the
-        GPU suites: docs/notes/shared-prefix.md). A plan serves the layers that share these.
+        share are attended once for all of them (found in the pages, no label needed;
+        docs/notes/shared-prefix.md); False plans without looking. A plan serves the layers
+        that share these.
         `_second_cache_requests` (internal: podcute.compat's BatchPOD wrapper): requests
         [0, n) read a second cache when run() is given one (`_second_cache`)."""
         # One pass over what a serving loop passes (int32 CPU tensors of the right ranks and

@@ -322,6 +322,7 @@ def main_shared(small: bool) -> int:
                                      sharers=(2, 4) if small else (3, 12),
                                      prefix_pages=(256 // page, 512 // page))
         attn = PODAttention(8, 2, 128, page)
+        attn.planner.share_min_read_bytes = 0  # (a small batch: share it anyway)
         pages = (dict(block_table=b.block_table) if fmt == "table"
                  else dict(kv_indptr=b.kv_indptr, kv_indices=b.kv_indices))
         s = attn.plan(b.cu_seqlens_q, b.seqused_k, share_prefixes=True, **pages)

@@ -115,7 +115,7 @@ def _first_pages_repeat(page_src, q_len, kvl, max_q, min_kv):
 
 @pytest.mark.parametrize("seed", range(24))
 def test_sharing_first_test_in_the_expansion(seed, monkeypatch):
-    """plan(share_prefixes=True) looks for a prefix tree (sharing.detect) exactly when two
+    """plan() (sharing by default) looks for a prefix tree (sharing.detect) exactly when two
     candidates start on the same page: the C expansion's answer to the first test agrees
     with numpy's on block tables (int32, int64, row views) and CSR, candidates or not."""
     rng = np.random.default_rng(seed)
@@ -147,8 +147,8 @@ def test_sharing_first_test_in_the_expansion(seed, monkeypatch):
                            (dict(kv_indptr=indptr.astype(np.int32), kv_indices=t.reshape(-1)),
                             ("csr", t.reshape(-1), indptr))):
             calls.clear()
-            planner.plan(cu, kv32, **pages, share_prefixes=True)
+            planner.plan(cu, kv32, **pages)
             assert bool(calls) == _first_pages_repeat(src, q_len, kvl, max_q, min_kv)
             calls.clear()
-            planner.plan(cu, kv32, **pages)
+            planner.plan(cu, kv32, **pages, share_prefixes=False)
             assert not calls

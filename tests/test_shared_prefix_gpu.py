@@ -11,10 +11,17 @@ import pytest
 import torch
 
 from podcute import PODAttention
+from podcute.planning import Planner
 from podcute.reference import pod_attention_reference
 from podcute.testing import make_shared_prefix_batch
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _share_small_batches(monkeypatch):
+    # (most of these batches are below the reads at which sharing pays: share them anyway)
+    monkeypatch.setattr(Planner, "share_min_read_bytes", 0)
 
 if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9):
     pytest.skip("needs an sm_90 GPU", allow_module_level=True)

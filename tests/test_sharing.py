@@ -12,6 +12,12 @@ from podcute.planning import Planner
 from podcute.testing import execute_plan, make_shared_prefix_batch
 
 
+@pytest.fixture(autouse=True)
+def _share_small_batches(monkeypatch):
+    # (these batches are far below the reads at which sharing pays: share them anyway)
+    monkeypatch.setattr(Planner, "share_min_read_bytes", 0)
+
+
 def _plan(planner, b, fmt, **kw):
     pages = (dict(block_table=b.block_table) if fmt == "table"
              else dict(kv_indptr=b.kv_indptr, kv_indices=b.kv_indices))
@@ -43,8 +49,8 @@ def test_shared_plans_compute_the_batch(seed, fmt):
     plan = _plan(planner, b, fmt, causal=causal)
     assert plan.shares and plan.summary.num_shared_prefixes > 0
     _check(plan, b, causal)
-    # the plain plan of the same batch (the default)
-    plain = planner.plan(b.cu_seqlens_q, b.seqused_k, causal=causal,
+    # the plain plan of the same batch (the opt-out)
+    plain = planner.plan(b.cu_seqlens_q, b.seqused_k, causal=causal, share_prefixes=False,
                          **(dict(block_table=b.block_table) if fmt == "table"
                             else dict(kv_indptr=b.kv_indptr, kv_indices=b.kv_indices)))
     assert not plain.shares and plain.summary.num_shared_prefixes == 0
@@ -92,6 +98,51 @@ def test_what_is_not_shared():
     assert runs(kv, window_size=(30 * ps + 30, 0)) == 1
     with pytest.raises(TypeError, match="share_prefixes"):
         planner.plan(cu, kv, block_table=table, share_prefixes=1)
+
+
+@pytest.mark.parametrize("kv_dtype", ["", "float8_e4m3fn"])
+def test_a_node_is_shared_where_it_pays(kv_dtype):
+    """By default a node is shared when its sharers' plain plan would read
+    MIN_SHARED_READ_BYTES of its run (sharers x run x the K and V bytes of a token): at
+    32/8/128, 4 KB a 16-bit token and 2 KB an fp8 one. Nested nodes are judged alone."""
+    from podcute.planning import sharing
+
+    planner = Planner(32, 8, 128, 16, device="cpu", num_sms=16, kv_dtype=kv_dtype,
+                      max_batch_size=64, max_num_tokens=64)
+    planner.share_min_read_bytes = sharing.MIN_SHARED_READ_BYTES  # (the fixture's 0 off)
+    need = sharing.MIN_SHARED_READ_BYTES // (4096 if not kv_dtype else 2048)  # tokens
+
+    def shares(n, run, own=64):
+        table = torch.arange(n * 2048, dtype=torch.int32).reshape(n, 2048) + 10**6
+        table[:, : run // 16] = torch.arange(run // 16, dtype=torch.int32)
+        cu = torch.arange(n + 1, dtype=torch.int32)
+        kv = torch.full((n,), run + own, dtype=torch.int32)
+        s = planner.plan(cu, kv, block_table=table).summary
+        return s.shared_kv_tokens
+
+    n = 12
+    run = need // n
+    assert run % 16 == 0
+    assert shares(n, run) == run
+    assert shares(n, run - 16) == 0
+    assert shares(2, 256) == 0 and shares(64, 8192) == 8192
+
+
+def test_batches_with_nothing_to_share():
+    """Sharing is looked for by default: an empty batch, a table without columns and
+    requests without keys plan as before (numpy's first test and C's)."""
+    for impl in ("numpy", "native"):
+        planner = Planner(8, 2, 32, 16, device="cpu", num_sms=4)
+        if impl == "numpy":
+            planner._native = None
+        empty = torch.zeros(1, dtype=torch.int32)
+        plan = planner.plan(empty, torch.zeros(0, dtype=torch.int32),
+                            block_table=torch.zeros(0, 0, dtype=torch.int32))
+        assert not plan.shares and plan.num_items == 0
+        cu = torch.tensor([0, 1, 2], dtype=torch.int32)
+        plan = planner.plan(cu, torch.zeros(2, dtype=torch.int32),
+                            block_table=torch.zeros(2, 0, dtype=torch.int32), causal=False)
+        assert not plan.shares
 
 
 def test_the_same_page_twice_in_one_request():

@@ -157,6 +157,8 @@ class Planner(WorkExpansion):
         # (max q_len, min kv_len - q_len) of requests that may share: sharing's first test
         self._share_bounds = sharing.candidate_bounds(self.config.group_size, page_size,
                                                       kernel.tile_m_decode)
+        # The K and V bytes of one token, every KV head: what a sharer's plain plan reads.
+        self._token_bytes = 2 * num_kv_heads * head_dim * (1 if kernel.fp8 else 2)
         self._allocate(max_batch_size, max_num_tokens, max_num_pages)
         # The work expansion in C (None: no C compiler here, or PODCUTE_PLANNER=numpy).
         self._native = native.load()
@@ -392,14 +394,13 @@ class Planner(WorkExpansion):
     def plan(self, cu_seqlens_q, kv_lens=None, *, block_table=None, kv_indptr=None,
              kv_indices=None, last_page_len=None, causal: bool = True,
              sm_scale: float | None = None, window_size=(-1, -1), softcap: float = 0.0,
-             batch_invariant: bool = False, share_prefixes: bool = False,
+             batch_invariant: bool = False, share_prefixes: bool = True,
              _kv_name: str = "kv_lens", _second_cache_requests: int = 0) -> Plan:
         """Plan one batch (see the module docstring). KV lengths come from `kv_lens` or,
         with CSR pages, from `last_page_len`: kv_len = (pages - 1) * page_size + last.
         `window_size`, `softcap`, `batch_invariant`: docs/contract.md (PlanOptions).
         `share_prefixes`: attend leading pages that several requests share once for all
-        of them (sharing.py); off by default until its kernel path has passed the GPU
-        suites (docs/notes/shared-prefix.md).
+        of them (sharing.py, docs/notes/shared-prefix.md); False: the plain plan.
         Raises ValueError naming the argument for a bad value; `_kv_name` is what the
         messages call kv_lens. `_second_cache_requests` (podcute.compat's BatchPOD): the
         requests [0, n) that read a second cache when run() is given one."""
@@ -435,13 +436,18 @@ class Planner(WorkExpansion):
         return (self._kernel_shares and not options.batch_invariant
                 and second_cache_requests == 0 and self._captured_shares is not False)
 
+    # A shared node's least plain reads (sharing.MIN_SHARED_READ_BYTES); an instance may
+    # lower it (the tests share small batches with 0).
+    share_min_read_bytes = sharing.MIN_SHARED_READ_BYTES
+
     def _detect_sharing(self, page_src, q_len, kvl, options: PlanOptions):
         cfg, sc = self.config, self._share_cap
         # (tiles no taller than the shortest prefill tile a batch may get: each is then one
         # row tile of the expansion, whatever tiling _choose_tiling picks)
         return sharing.detect(page_src, q_len, kvl, cfg.group_size, cfg.page_size,
                               cfg.kernel.tile_m_decode, self._tilings[-1].tile_m,
-                              sc["tiles"], sc["tokens"], options.window_left)
+                              sc["tiles"], sc["tokens"], options.window_left,
+                              -(-self.share_min_read_bytes // self._token_bytes))
 
     def _grow_share_room(self, need: dict) -> bool:
         """Room for a sharing plan's split slots and terms (twice what it needs); False when

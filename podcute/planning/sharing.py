@@ -40,6 +40,14 @@ from podcute.kernels.metadata import (SHARE_FIELD_MASK, SHARE_OWN_BIT, SHARE_RAN
 # A node is worth its partials and merges when its run holds this many tokens (two KV
 # tiles of the prefill kernel): below it a sharer reads little that it would not anyway.
 MIN_SHARED_TOKENS = 256
+# ... and when its sharers' plain plan would read this many bytes of it (sharers x run x
+# the K and V bytes of a token, every KV head): sharing adds a prefix tile (a 128-row
+# item, mostly empty rows when few share) and a merge per sharer and KV head, which
+# cost a launch 10-17 us more on an H100 when they save little. Measured
+# (`perf.experiments.share_pays`, docs/notes/shared-prefix.md, "When sharing pays"):
+# every node of <= 32768 x 4 KB (128 MiB) of plain reads measured 0.75-0.95x of the
+# plain plan's speed with two exceptions, every one of >= 256 MiB 1.13-2.6x.
+MIN_SHARED_READ_BYTES = 192 << 20
 
 
 @dataclass(frozen=True)
@@ -113,10 +121,12 @@ def candidate_bounds(group: int, page_size: int, decode_rows: int) -> tuple[int,
 
 def detect(page_src, q_len: np.ndarray, kvl: np.ndarray, group: int, page_size: int,
            decode_rows: int, tile_rows: int, max_tiles: int, max_tokens: int,
-           window_left: int = -1) -> Sharing | None:
+           window_left: int = -1, min_reads: int = 0) -> Sharing | None:
     """The batch's shared prefixes, or None when no two decode-like requests share
     MIN_SHARED_TOKENS of whole leading pages (one sort of the first pages decides that:
-    the cost of a batch that shares nothing).
+    the cost of a batch that shares nothing). A node is kept when its run adds
+    MIN_SHARED_TOKENS beyond its nearest kept ancestor and its sharers x that run's
+    tokens reach `min_reads` (the planner's MIN_SHARED_READ_BYTES in tokens).
 
     `window_left` >= 0 (a sliding window: a row at position p sees keys >= p - left): a
     node's keys [base, h) pages must all lie in every sharer row's window, so
@@ -179,7 +189,8 @@ def detect(page_src, q_len: np.ndarray, kvl: np.ndarray, group: int, page_size: 
     if not intervals:
         return None
     # Parents first: by start, then the wider first. A node is kept when it adds
-    # MIN_SHARED_TOKENS beyond its nearest kept ancestor (`base`).
+    # MIN_SHARED_TOKENS beyond its nearest kept ancestor (`base`), and its sharers would
+    # read `min_reads` tokens of that run without it.
     intervals.sort(key=lambda t: (t[0], -t[1]))
     nodes = []  # (first row, last row, base, h): pages [base, h) shared
     open_ = []  # enclosing intervals: (last row, depth kept below it)
@@ -187,7 +198,8 @@ def detect(page_src, q_len: np.ndarray, kvl: np.ndarray, group: int, page_size: 
         while open_ and open_[-1][0] < a:
             open_.pop()
         base = open_[-1][1] if open_ else 0
-        kept = (h - base) * page_size >= MIN_SHARED_TOKENS
+        run = (h - base) * page_size
+        kept = run >= MIN_SHARED_TOKENS and (b - a + 1) * run >= min_reads
         if kept and window_left >= 0:
             kept = (int(kv_sorted[a: b + 1].max()) - 1 - window_left <= base * page_size
                     and (h - base) * page_size + tile_rows // group - 2 <= window_left)
