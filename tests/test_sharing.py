@@ -128,6 +128,26 @@ def test_a_node_is_shared_where_it_pays(kv_dtype):
     assert shares(2, 256) == 0 and shares(64, 8192) == 8192
 
 
+def test_a_batch_below_the_reads_is_not_searched(monkeypatch):
+    """A batch whose pages hold fewer tokens than a node needs to pay skips the search
+    (no first test: decode-1's plan costs what it did before sharing was the default)."""
+    from podcute.planning import sharing
+
+    calls = []
+    monkeypatch.setattr(sharing, "detect", lambda *a, **k: calls.append(1))
+    planner = Planner(32, 8, 128, 16, device="cpu", num_sms=16)
+    planner.share_min_read_bytes = sharing.MIN_SHARED_READ_BYTES
+    need = sharing.MIN_SHARED_READ_BYTES // 4096
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32)
+    for kv, searched in ((need // 2 - 16, False), (need // 2, True)):
+        table = torch.zeros(2, need // 32, dtype=torch.int32)  # (one page, repeated)
+        calls.clear()
+        planner.plan(cu, torch.tensor([kv, kv], dtype=torch.int32), block_table=table,
+                     causal=False)
+        assert bool(calls) == searched, kv
+        planner._native = None  # (then numpy's first test)
+
+
 def test_batches_with_nothing_to_share():
     """Sharing is looked for by default: an empty batch, a table without columns and
     requests without keys plan as before (numpy's first test and C's)."""

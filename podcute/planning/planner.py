@@ -425,7 +425,9 @@ class Planner(WorkExpansion):
         if not isinstance(share_prefixes, (bool, np.bool_)):
             raise TypeError(f"share_prefixes must be a bool, got {type(share_prefixes).__name__}")
         self._ensure_capacity(q_len.size, total_q, num_entries)
-        detect = bool(share_prefixes) and self._may_share(options, int(n2))
+        # (a node's plain reads are at most the batch's: a batch of fewer pages shares none)
+        detect = (bool(share_prefixes) and num_entries * self.config.page_size
+                  >= self._share_min_reads() and self._may_share(options, int(n2)))
         return self._build(cu, q_len, kvl, used, options, sm_scale, total_q, page_src,
                            num_entries, int(n2), None, detect)
 
@@ -440,6 +442,9 @@ class Planner(WorkExpansion):
     # lower it (the tests share small batches with 0).
     share_min_read_bytes = sharing.MIN_SHARED_READ_BYTES
 
+    def _share_min_reads(self) -> int:  # (in tokens)
+        return -(-self.share_min_read_bytes // self._token_bytes)
+
     def _detect_sharing(self, page_src, q_len, kvl, options: PlanOptions):
         cfg, sc = self.config, self._share_cap
         # (tiles no taller than the shortest prefill tile a batch may get: each is then one
@@ -447,7 +452,7 @@ class Planner(WorkExpansion):
         return sharing.detect(page_src, q_len, kvl, cfg.group_size, cfg.page_size,
                               cfg.kernel.tile_m_decode, self._tilings[-1].tile_m,
                               sc["tiles"], sc["tokens"], options.window_left,
-                              -(-self.share_min_read_bytes // self._token_bytes))
+                              self._share_min_reads())
 
     def _grow_share_room(self, need: dict) -> bool:
         """Room for a sharing plan's split slots and terms (twice what it needs); False when
