@@ -128,6 +128,37 @@ def test_a_node_is_shared_where_it_pays(kv_dtype):
     assert shares(2, 256) == 0 and shares(64, 8192) == 8192
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_the_early_exit_never_drops_a_node_that_pays(seed, monkeypatch):
+    """sharing._may_pay (the gather at the column a paying node must reach) only ends
+    searches that would find nothing: with it and without it, detect finds the same
+    nodes, at thresholds around the batch's own nodes."""
+    from podcute.planning import sharing
+
+    rng = random.Random(seed)
+    fmt = rng.choice(["table", "csr"])
+    b = make_shared_prefix_batch(rng, num_qo_heads=8, num_kv_heads=2, head_dim=32,
+                                 page_size=16, num_groups=rng.randint(1, 4),
+                                 sharers=(2, 9), page_format=fmt, dtype=torch.float32)
+    q_len = (b.cu_seqlens_q[1:] - b.cu_seqlens_q[:-1]).numpy().astype(np.int64)
+    kvl = b.seqused_k.numpy().astype(np.int64)
+    src = (("table", b.block_table.numpy(), b.block_table.shape[1]) if fmt == "table"
+           else ("csr", b.kv_indices.numpy(), b.kv_indptr.numpy().astype(np.int64)))
+
+    def found(min_reads, exit_early=True):
+        if not exit_early:
+            monkeypatch.setattr(sharing, "_may_pay", lambda *a: True)
+        sh = sharing.detect(src, q_len, kvl, 4, 16, 64, 128, 256, 4096, -1, min_reads)
+        monkeypatch.undo()
+        return None if sh is None else (sh.shared_tokens, sh.saved_tokens, sh.num_nodes)
+
+    base = found(0)
+    assert base is not None
+    for mr in sorted({1, 256, 512, 1024, 2048, 4096, 8192, 16384, 10**6}
+                     | {rng.randint(1, 20000) for _ in range(8)}):
+        assert found(mr) == found(mr, exit_early=False), mr
+
+
 def test_a_batch_below_the_reads_is_not_searched(monkeypatch):
     """A batch whose pages hold fewer tokens than a node needs to pay skips the search
     (no first test: decode-1's plan costs what it did before sharing was the default)."""

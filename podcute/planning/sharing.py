@@ -113,6 +113,27 @@ def _cut(rows: np.ndarray, tile_rows: int):
     return tile, row, first, np.diff(first, append=n)
 
 
+def _may_pay(page_src, reqs, grp, g, n_pages, min_reads: int, page_size: int) -> bool:
+    """False when no node of these candidates (`reqs`, grouped by first page: group ids
+    `grp` in order, sizes `g`) can reach `min_reads` tokens of plain reads. A necessary
+    test, one gather and one sort: a node's n sharers share its pages from the first, all
+    in one group of g >= n candidates, and its run holds >= min_reads / n >= min_reads / g
+    tokens; so two of that group hold the same page at that column."""
+    col = -(-min_reads // (g * page_size)) - 1
+    ok = n_pages > col
+    if int(ok.sum()) < 2:
+        return False
+    fmt, pages, arg = page_src
+    rows, col, grp = reqs[ok], col[ok], grp[ok]
+    at = (pages[rows, col] if fmt == "table" else pages[arg[rows] + col]).astype(np.int64)
+    # (group ids ascend: one sort of (group, page) pairs packed in an int64)
+    key = np.sort((grp << 40) | at) if at.min() >= 0 and at.max() < 1 << 40 else None
+    if key is None:
+        o = np.lexsort((at, grp))
+        return bool(((grp[o][1:] == grp[o][:-1]) & (at[o][1:] == at[o][:-1])).any())
+    return bool((key[1:] == key[:-1]).any())
+
+
 def candidate_bounds(group: int, page_size: int, decode_rows: int) -> tuple[int, int]:
     """(max q_len, min kv_len - q_len) of the requests that may share: their packed rows
     fit a decode tile, and MIN_SHARED_TOKENS of whole pages precede their first query."""
@@ -152,11 +173,17 @@ def detect(page_src, q_len: np.ndarray, kvl: np.ndarray, group: int, page_size: 
     cand = ok.nonzero()[0]
     order = first.argsort(kind="stable")
     f = first[order]
-    dup = f[1:] == f[:-1]
-    # the candidates whose first page another candidate has
+    # each candidate's first-page group (in sorted order) and its size; the candidates
+    # whose first page another candidate has are those of groups of two or more
+    gid = np.zeros(f.size, dtype=np.int64)
+    np.cumsum(f[1:] != f[:-1], out=gid[1:])
+    size = np.bincount(gid)[gid]
+    kept = size > 1
+    if min_reads > 0 and not _may_pay(page_src, cand[order[kept]], gid[kept], size[kept],
+                                      n_pages[cand[order[kept]]], min_reads, page_size):
+        return None
     keep = np.zeros(cand.size, dtype=bool)
-    keep[order[1:][dup]] = True
-    keep[order[:-1][dup]] = True
+    keep[order[kept]] = True
     cand = cand[keep]
     width = int(n_pages[cand].max())
     P = _page_rows(page_src, cand, width)
