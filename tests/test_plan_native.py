@@ -113,25 +113,39 @@ def _first_pages_repeat(page_src, q_len, kvl, max_q, min_kv):
     return np.unique(first).size < first.size
 
 
+class _FirstTestBatch:
+    """A random decode-heavy batch for sharing's first test on a 16/4/64 page-16 planner
+    whose calls to sharing.detect are recorded in `calls` (detect itself not run)."""
+
+    width = 40
+
+    def __init__(self, rng, monkeypatch, min_batch: int):
+        self.planner = Planner(16, 4, 64, 16, device="cpu", max_batch_size=300,
+                               max_num_tokens=2048)
+        assert self.planner._native is not None
+        self.max_q, self.min_kv = sharing.candidate_bounds(
+            4, 16, self.planner.config.kernel.tile_m_decode)
+        self.calls = []
+        monkeypatch.setattr(sharing, "detect", lambda *a, **k: self.calls.append(1))
+        B = self.B = int(rng.integers(min_batch, 300))
+        self.q_len = rng.integers(0, self.max_q + 2, B).astype(np.int64)
+        self.kvl = self.q_len + rng.integers(0, 600, B)
+        self.cu = np.concatenate([[0], np.cumsum(self.q_len)]).astype(np.int32)
+        self.table = rng.permutation(100000)[: B * self.width].reshape(B, self.width)
+        self.cand = ((self.q_len > 0) & (self.q_len <= self.max_q)
+                     & (self.kvl - self.q_len >= self.min_kv)).nonzero()[0]
+
+
 @pytest.mark.parametrize("seed", range(24))
 def test_sharing_first_test_in_the_expansion(seed, monkeypatch):
     """plan() (sharing by default) looks for a prefix tree (sharing.detect) exactly when two
     candidates start on the same page: the C expansion's answer to the first test agrees
     with numpy's on block tables (int32, int64, row views) and CSR, candidates or not."""
-    rng = np.random.default_rng(seed)
-    planner = Planner(16, 4, 64, 16, device="cpu", max_batch_size=300, max_num_tokens=2048)
+    x = _FirstTestBatch(np.random.default_rng(seed), monkeypatch, 1)
+    rng, planner, calls, B, table, cand = (np.random.default_rng(seed + 1000), x.planner,
+                                           x.calls, x.B, x.table, x.cand)
+    q_len, kvl, cu, width, max_q, min_kv = x.q_len, x.kvl, x.cu, x.width, x.max_q, x.min_kv
     planner.share_min_read_bytes = 0  # (the test looks whatever the batch's reads)
-    assert planner._native is not None
-    max_q, min_kv = sharing.candidate_bounds(4, 16, planner.config.kernel.tile_m_decode)
-    calls = []
-    monkeypatch.setattr(sharing, "detect", lambda *a, **k: calls.append(1))
-    B = int(rng.integers(1, 300))
-    q_len = rng.integers(0, max_q + 2, B).astype(np.int64)
-    kvl = q_len + rng.integers(0, 600, B)
-    cu = np.concatenate([[0], np.cumsum(q_len)]).astype(np.int32)
-    width = 40
-    table = rng.permutation(100000)[: B * width].reshape(B, width)
-    cand = ((q_len > 0) & (q_len <= max_q) & (kvl - q_len >= min_kv)).nonzero()[0]
     if seed % 4 == 1 and cand.size > 1:  # a repeat between two candidates
         a, b = rng.choice(cand, 2, replace=False)
         table[b, 0] = table[a, 0]
@@ -153,3 +167,56 @@ def test_sharing_first_test_in_the_expansion(seed, monkeypatch):
             calls.clear()
             planner.plan(cu, kv32, **pages, share_prefixes=False)
             assert not calls
+
+
+def _numpy_may_search(page_src, q_len, kvl, max_q, min_kv, min_reads, page):
+    """numpy's answer to sharing's first test and its early exit (sharing._may_pay)."""
+    fmt, pages, arg = page_src
+    ok = (q_len > 0) & (q_len <= max_q) & (kvl - q_len >= min_kv)
+    cand = ok.nonzero()[0]
+    first = pages[cand, 0] if fmt == "table" else pages[arg[cand]]
+    order = first.argsort(kind="stable")
+    f = first[order]
+    gid = np.concatenate([[0], np.cumsum(f[1:] != f[:-1])]).astype(np.int64)
+    size = np.bincount(gid)[gid]
+    kept = size > 1
+    if not kept.any():
+        return False
+    reqs = cand[order[kept]]
+    return sharing._may_pay(page_src, reqs, gid[kept], size[kept],
+                            (kvl[reqs] - q_len[reqs]) // page, min_reads, page)
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_sharing_pays_test_in_the_expansion(seed, monkeypatch):
+    """With a read threshold, the C expansion's first test also ends the searches that
+    could find no paying node (sharing._may_pay's test), exactly where numpy does: groups
+    of requests sharing runs of random lengths, thresholds around their reads, tables
+    and CSR of both integer widths."""
+    x = _FirstTestBatch(np.random.default_rng(100 + seed), monkeypatch, 50)
+    rng, planner, calls, B, table, cand = (np.random.default_rng(seed + 2000), x.planner,
+                                           x.calls, x.B, x.table, x.cand)
+    q_len, kvl, cu, width, max_q, min_kv = x.q_len, x.kvl, x.cu, x.width, x.max_q, x.min_kv
+    assert planner._token_bytes == 1024
+    for _ in range(int(rng.integers(1, 5))):  # groups sharing a run of r pages
+        # (mostly candidates, now and then another request among them)
+        members = np.concatenate([rng.choice(cand, int(rng.integers(2, 8)), replace=False),
+                                  rng.choice(B, int(rng.integers(0, 2)))])
+        r = int(rng.integers(1, width + 1))
+        table[members, :r] = table[members[0], :r]
+    kv32 = kvl.astype(np.int32)
+    searched = 0
+    for min_reads in [1, 256, 1024] + [int(x) for x in rng.integers(1, 6000, 5)]:
+        planner.share_min_read_bytes = min_reads * 1024
+        for dtype in (np.int32, np.int64):
+            t = table.astype(dtype)
+            indptr = np.arange(B + 1, dtype=np.int64) * width
+            for pages, src in ((dict(block_table=t), ("table", t, width)),
+                               (dict(kv_indptr=indptr.astype(np.int32),
+                                     kv_indices=t.reshape(-1)), ("csr", t.reshape(-1), indptr))):
+                calls.clear()
+                planner.plan(cu, kv32, **pages)
+                want = _numpy_may_search(src, q_len, kvl, max_q, min_kv, min_reads, 16)
+                assert bool(calls) == want, (min_reads, dtype, src[0])
+                searched += want
+    assert searched  # (the batches reach the search at some thresholds)

@@ -48,6 +48,7 @@ typedef struct {
     const void *share_pages;
     const int64_t *share_indptr;
     int64_t share_max_q, share_min_kv, share_elem_bytes, share_row_stride;
+    int64_t share_min_reads, share_page_size; /* a node's least plain reads, in tokens */
     int64_t first_repeat; /* out: 1, 0, or -1 (not run / undecided: numpy decides) */
 } PlanIO;
 
@@ -152,40 +153,78 @@ STABLE_ARGSORT(argsort_f64, double)
 #define NEW(T, n) ((T *)take(&ar, (size_t)(n) * sizeof(T)))
 #define CHECK(p) do { if (!(p)) { rc = -1; goto done; } } while (0)
 
+/* Open addressing over int64 keys (INT64_MIN marks an empty slot): the slot of `key`,
+ * which holds it or is empty. */
+static inline int64_t slot_of(const int64_t *keys, int64_t cap, int64_t key) {
+    uint64_t h = (uint64_t)key * 0x9E3779B97F4A7C15ull;
+    int64_t i = (int64_t)(h >> 40) & (cap - 1);
+    while (keys[i] != INT64_MIN && keys[i] != key) i = (i + 1) & (cap - 1);
+    return i;
+}
+
 /* Sharing's first test (planning/sharing.py, detect): whether two candidates (0 < q_len <=
- * max_q and kv_len - q_len >= min_kv) have the same first page. Pages: a block table
- * (indptr NULL: request b's first page at pages[b * row_stride]) or CSR indices
- * (pages[indptr[b]]), of 4- or 8-byte integers. An open-addressing set of the first pages
- * seen: O(candidates), beside the expansion that reads q_len and kv_len anyway, where
- * numpy's mask, gather and sort cost a plan ~9 us at B = 256 (a separate ctypes call,
- * with its array addresses, cost 6). Returns 1 (a page repeats: detect builds the tree),
- * 0 (nothing is shared) or -1 (out of memory, or a page equal to the set's empty mark:
- * detect decides in numpy). */
-static int first_pages_repeat(int64_t B, const int64_t *q_len, const int64_t *kv_len,
-                              int64_t max_q, int64_t min_kv, const void *pages,
-                              int64_t elem_bytes, int64_t row_stride, const int64_t *indptr) {
+ * max_q and kv_len - q_len >= min_kv) have the same first page, and with min_reads > 0
+ * whether a node of them may pay (sharing._may_pay: a node of n sharers needs a run of
+ * min_reads / n tokens, n at most its first page's group g, so two of that group hold
+ * the same page at column ceil(min_reads / (g page_size)) - 1). Pages: a block table
+ * (indptr NULL: request b's page j at pages[b * row_stride + j]) or CSR indices
+ * (pages[indptr[b] + j]), of 4- or 8-byte integers. Open-addressing maps of first pages
+ * (with their group sizes), then of (group, page at that column) pairs: O(candidates),
+ * beside the expansion that reads q_len and kv_len anyway, where numpy's mask, gather
+ * and sort cost a plan ~9 us at B = 256 (a separate ctypes call, with its array
+ * addresses, cost 6). Returns 1 (detect builds the tree), 0 (nothing is shared) or -1
+ * (out of memory, or a page equal to the maps' empty mark: detect decides in numpy). */
+static int first_pages_repeat(const PlanIO *io) {
+    const int64_t B = io->B, max_q = io->share_max_q, min_kv = io->share_min_kv;
+    const int64_t *q_len = io->q_len, *kv_len = io->kv_len, *indptr = io->share_indptr;
     const int64_t EMPTY = INT64_MIN;
     int64_t cap = 64;
     while (cap < 2 * B) cap <<= 1;
-    int64_t local[256];
-    int64_t *set = cap <= 256 ? local : malloc((size_t)cap * sizeof(int64_t));
-    if (!set) return -1;
-    for (int64_t i = 0; i < cap; i++) set[i] = EMPTY;
-    int rc = 0;
-    for (int64_t b = 0; b < B && rc == 0; b++) {
-        int64_t q = q_len[b];
-        if (q <= 0 || q > max_q || kv_len[b] - q < min_kv) continue;
-        int64_t at = indptr ? indptr[b] : b * row_stride;
-        int64_t page = elem_bytes == 4 ? (int64_t)((const int32_t *)pages)[at]
-                                       : ((const int64_t *)pages)[at];
-        if (page == EMPTY) { rc = -1; break; }
-        uint64_t h = (uint64_t)page * 0x9E3779B97F4A7C15ull;
-        int64_t i = (int64_t)(h >> 40) & (cap - 1);
-        while (set[i] != EMPTY && set[i] != page) i = (i + 1) & (cap - 1);
-        if (set[i] == page) rc = 1;
-        else set[i] = page;
+    int64_t local[3 * 256];
+    int64_t *keys = cap <= 256 ? local : malloc(3 * (size_t)cap * sizeof(int64_t));
+    if (!keys) return -1;
+    int64_t *count = keys + cap, *pairs = keys + 2 * cap;
+    for (int64_t i = 0; i < cap; i++) { keys[i] = EMPTY; count[i] = 0; pairs[i] = EMPTY; }
+#define PAGE_AT(b, j)                                                                       \
+    (io->share_elem_bytes == 4                                                              \
+         ? (int64_t)((const int32_t *)io->share_pages)[(indptr ? indptr[b] : (b) * io->share_row_stride) + (j)] \
+         : ((const int64_t *)io->share_pages)[(indptr ? indptr[b] : (b) * io->share_row_stride) + (j)])
+#define CANDIDATE(b) (q_len[b] > 0 && q_len[b] <= max_q && kv_len[b] - q_len[b] >= min_kv)
+    int rc = 0, repeat = 0;
+    for (int64_t b = 0; b < B; b++) {
+        if (!CANDIDATE(b)) continue;
+        int64_t page = PAGE_AT(b, 0);
+        if (page == EMPTY) { rc = -1; goto out; }
+        int64_t i = slot_of(keys, cap, page);
+        if (keys[i] == page) {
+            repeat = 1;
+            if (io->share_min_reads <= 0) { rc = 1; goto out; }
+        }
+        keys[i] = page;
+        count[i]++;
     }
-    if (set != local) free(set);
+    if (!repeat) goto out;
+    if (cap > ((int64_t)1 << 20)) { rc = 1; goto out; } /* (the pairs' packing: numpy decides) */
+    for (int64_t b = 0; b < B; b++) {
+        if (!CANDIDATE(b)) continue;
+        int64_t i = slot_of(keys, cap, PAGE_AT(b, 0)), g = count[i];
+        if (g < 2) continue;
+        int64_t col = (io->share_min_reads + g * io->share_page_size - 1)
+                      / (g * io->share_page_size) - 1;
+        if ((kv_len[b] - q_len[b]) / io->share_page_size <= col) continue;
+        int64_t page = PAGE_AT(b, col);
+        /* the pair (group, page): the group's slot in the high bits (slots < 2^20 for any
+         * batch the planner takes), the page's low 43 bits; a collision of two pages
+         * that differ above them only answers 1, and numpy then decides exactly */
+        int64_t key = (i << 43) | (page & (((int64_t)1 << 43) - 1));
+        int64_t j = slot_of(pairs, cap, key);
+        if (pairs[j] == key) { rc = 1; goto out; }
+        pairs[j] = key;
+    }
+#undef PAGE_AT
+#undef CANDIDATE
+out:
+    if (keys != local) free(keys);
     return rc;
 }
 
@@ -194,11 +233,7 @@ int podcute_build(PlanIO *io) {
     int rc = 0;
     const int64_t B = io->B, G = io->G, Hkv = io->Hkv, tn = io->tn, grid = io->grid;
     const int has_left = io->left >= 0;
-    io->first_repeat = io->share_pages
-        ? first_pages_repeat(B, io->q_len, io->kv_len, io->share_max_q, io->share_min_kv,
-                             io->share_pages, io->share_elem_bytes, io->share_row_stride,
-                             io->share_indptr)
-        : -1;
+    io->first_repeat = io->share_pages ? first_pages_repeat(io) : -1;
 
     /* ---- groups: prefill (request, kv head, row tile), then decode (request, kv head) -- */
     int64_t n_pre = 0, n_dec = 0, n_tiles = 0;

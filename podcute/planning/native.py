@@ -57,7 +57,7 @@ class _PlanIO(ctypes.Structure):
         ("scratch", _P), ("scratch_size", _I64), ("scratch_wanted", _I64),
         ("share_pages", _P), ("share_indptr", _P), ("share_max_q", _I64),
         ("share_min_kv", _I64), ("share_elem_bytes", _I64), ("share_row_stride", _I64),
-        ("first_repeat", _I64),
+        ("share_min_reads", _I64), ("share_page_size", _I64), ("first_repeat", _I64),
     ]
 
 
@@ -128,10 +128,11 @@ class NativeBuilder:
         None when a capacity would be exceeded (the numpy path then grows the buffers or
         raises, as it does); the answer to sharing's first test).
 
-        `share_test`: (page source, max q_len, min kv_len - q_len) of sharing's
-        candidates, or None. The answer is whether two candidates start on the same page
-        (sharing.detect's first test), or None when not asked or C cannot say (pages of
-        another dtype or layout: numpy decides)."""
+        `share_test`: (page source, max q_len, min kv_len - q_len, a node's least plain
+        reads in tokens, page size) of sharing's candidates, or None. The answer is
+        whether two candidates start on the same page and a node of them may pay
+        (sharing.detect's first test and sharing._may_pay), or None when not asked or C
+        cannot say (pages of another dtype or layout: numpy decides)."""
         bufs = planner.__dict__.get("_native_bufs")
         if bufs is None or bufs.epoch != planner.buffer_epoch:
             bufs = planner._native_bufs = _Buffers(planner)
@@ -169,7 +170,7 @@ def _share_pages(io, share_test):
     """Set sharing's first test's fields of `io` but its pages; return their address, or
     None (not asked) where C cannot read them: pages of another dtype or with gaps in
     a row."""
-    (fmt, pages, arg), max_q, min_kv = share_test
+    (fmt, pages, arg), max_q, min_kv, min_reads, page_size = share_test
     size = pages.dtype.itemsize
     if pages.dtype.kind != "i" or size not in (4, 8):
         return None
@@ -183,6 +184,7 @@ def _share_pages(io, share_test):
             return None
         io.share_indptr = _addr(arg)
     io.share_max_q, io.share_min_kv, io.share_elem_bytes = max_q, min_kv, size
+    io.share_min_reads, io.share_page_size = min_reads, page_size
     return _addr(pages)
 
 

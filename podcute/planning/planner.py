@@ -547,7 +547,8 @@ class Planner(WorkExpansion):
         self._tiling = self._choose_tiling(q_x, options)
         lay, first_repeat = None, None
         if self._native is not None:
-            test = (page_src, *self._share_bounds) if detect else None
+            test = ((page_src, *self._share_bounds, self._share_min_reads(),
+                     self.config.page_size) if detect else None)
             lay, first_repeat = self._native.build(self, q_x, kv_x, options, test)
         if detect and first_repeat is not False:
             share = self._detect_sharing(page_src, q_len, kvl, options)
