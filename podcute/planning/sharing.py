@@ -435,8 +435,8 @@ def rewrite(sh: Sharing, work: np.ndarray, merge: np.ndarray, slot_merge: np.nda
     wk[own_idx, WorkCol.KIND] |= share_bits.astype(np.int32)
     slot_merge[new_slot] = sharer_base + o_head * P + first_home
     # ---- sharer merges
-    own_count = np.zeros((Hkv, P), dtype=np.int64)
-    np.add.at(own_count, (o_head, own_rank), 1)
+    # (counts by bincount: np.add.at took 22 + 29 us of S2's plan for these two)
+    own_count = np.bincount(o_head * P + own_rank, minlength=Hkv * P).reshape(Hkv, P)
     sm = merge[sharer_base: sharer_base + P * Hkv].reshape(Hkv, P, -1)
     sm[:] = 0
     sm[:, :, MergeCol.REQ] = sh.participants[None, :]
@@ -446,9 +446,9 @@ def rewrite(sh: Sharing, work: np.ndarray, merge: np.ndarray, slot_merge: np.nda
     sm[:, :, MergeCol.NUM_SPLITS] = own_count
     sm[:, :, MergeCol.OWN_ROW] = sh.row_off[None, :]
     # terms in (head, rank, level, piece) order
-    per_sharer = np.zeros((Hkv, P), dtype=np.int64)
-    np.add.at(per_sharer, (np.broadcast_to(np.arange(Hkv)[:, None], pieces.shape),
-                           np.broadcast_to(lv_rank[None, :], pieces.shape)), pieces)
+    per_sharer = np.bincount((np.arange(Hkv)[:, None] * P + lv_rank[None, :]).reshape(-1),
+                             weights=pieces.reshape(-1), minlength=Hkv * P
+                             ).astype(np.int64).reshape(Hkv, P)  # (exact: small integers)
     t_end = per_sharer.reshape(-1).cumsum()
     t_first = t_end - per_sharer.reshape(-1)
     sm[:, :, MergeCol.TERMS_FIRST] = terms_base + 2 * t_first.reshape(Hkv, P)
