@@ -189,8 +189,9 @@ def detect(page_src, q_len: np.ndarray, kvl: np.ndarray, group: int, page_size: 
     P = _page_rows(page_src, cand, width)
     m = cand.size
     # Past a request's shareable pages: a value no other row holds (negative, unique).
-    past = np.arange(width)[None, :] >= n_pages[cand][:, None]
-    P[past] = -1 - np.broadcast_to(np.arange(m)[:, None], P.shape)[past]
+    # (copyto: 69 us at 256 x 288 where the masked assignment took 102 and np.where 600)
+    np.copyto(P, -1 - np.arange(m)[:, None], where=np.arange(width)[None, :]
+              >= n_pages[cand][:, None])
     # Lexicographic order (any order of the elements will do: it keeps every prefix's
     # rows together), then the longest common prefix of neighbours.
     rows_bytes = np.ascontiguousarray(P).view(np.dtype((np.void, 8 * width))).ravel()
@@ -204,8 +205,13 @@ def detect(page_src, q_len: np.ndarray, kvl: np.ndarray, group: int, page_size: 
     # minimum lcp over it; its parent is the enclosing interval.
     stack = [(0, 0)]  # open intervals: (h, first row)
     intervals = []  # (first row, last row, h)
-    for i in range(m):
-        lv = int(lcp[i]) if i < m - 1 else 0
+    # (a row whose lcp equals the previous row's opens and closes nothing: only the
+    # changes are walked, a few per prefix group however many sharers it has)
+    lcp_all = np.append(lcp, 0)
+    change = np.ones(m, dtype=bool)
+    np.not_equal(lcp_all[1:], lcp_all[:-1], out=change[1:])
+    steps = change.nonzero()[0]
+    for i, lv in zip(steps.tolist(), lcp_all[steps].tolist()):
         left = i
         while stack[-1][0] > lv:
             h, lb = stack.pop()
