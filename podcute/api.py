@@ -127,8 +127,8 @@ class PODAttention:
         `batch_invariant`: a request's output is bitwise the same whatever shares its
         batch (docs/contract.md); `share_prefixes`: leading pages that several requests
         share are attended once for all of them where that pays (found in the pages, no
-        label needed; docs/notes/shared-prefix.md); False plans without looking. A plan serves the layers
-        that share these.
+        label needed; docs/notes/shared-prefix.md); False plans without looking. A plan
+        serves the layers that share these.
         `_second_cache_requests` (internal: podcute.compat's BatchPOD wrapper): requests
         [0, n) read a second cache when run() is given one (`_second_cache`)."""
         # One pass over what a serving loop passes (int32 CPU tensors of the right ranks and

@@ -515,14 +515,15 @@ class BatchPODWithPagedKVCacheWrapper(_Wrapper):
         k_d, v_d = unpack_paged_kv_cache(paged_kv_cache_d, self._kv_layout, "paged_kv_cache_d")
         _check_cache_dtype("paged_kv_cache_p", k, v, attn.kv_dtype)
         second, names = None, {}
-        if not (_same_view(k, k_d) and _same_view(v, v_d)):
+        two_caches = not (_same_view(k, k_d) and _same_view(v, v_d))
+        if two_caches:
             _check_cache_dtype("paged_kv_cache_d", k_d, v_d, attn.kv_dtype)
         if b.num_prefill == 0:
             # (no request reads the prefill cache: one launch over the decode cache, whose
             # plan may share prefixes)
             k, v = k_d, v_d
             names = {"k_cache": "paged_kv_cache_d (k)", "v_cache": "paged_kv_cache_d (v)"}
-        elif not (_same_view(k, k_d) and _same_view(v, v_d)):
+        elif two_caches:
             if attn.fp8 or (causal_p and b.max_q_d > 1):
                 return self._run_sides(q_p, (k, v), q_d, (k_d, v_d), causal_p, return_lse,
                                        scales, out_scale)

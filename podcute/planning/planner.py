@@ -426,10 +426,11 @@ class Planner(WorkExpansion):
             raise TypeError(f"share_prefixes must be a bool, got {type(share_prefixes).__name__}")
         self._ensure_capacity(q_len.size, total_q, num_entries)
         # (a node's plain reads are at most the batch's: a batch of fewer pages shares none)
-        detect = (bool(share_prefixes) and num_entries * self.config.page_size
-                  >= self._share_min_reads() and self._may_share(options, int(n2)))
+        min_reads = -(-self.share_min_read_bytes // self._token_bytes)
+        look = (share_prefixes and num_entries * self.config.page_size >= min_reads
+                and self._may_share(options, int(n2)))
         return self._build(cu, q_len, kvl, used, options, sm_scale, total_q, page_src,
-                           num_entries, int(n2), None, detect)
+                           num_entries, int(n2), None, min_reads if look else None)
 
     def _may_share(self, options: PlanOptions, second_cache_requests: int) -> bool:
         """Whether this batch may share prefixes: one cache, not batch-invariant (a
@@ -442,17 +443,13 @@ class Planner(WorkExpansion):
     # lower it (the tests share small batches with 0).
     share_min_read_bytes = sharing.MIN_SHARED_READ_BYTES
 
-    def _share_min_reads(self) -> int:  # (in tokens)
-        return -(-self.share_min_read_bytes // self._token_bytes)
-
-    def _detect_sharing(self, page_src, q_len, kvl, options: PlanOptions):
+    def _detect_sharing(self, page_src, q_len, kvl, options: PlanOptions, min_reads: int):
         cfg, sc = self.config, self._share_cap
         # (tiles no taller than the shortest prefill tile a batch may get: each is then one
         # row tile of the expansion, whatever tiling _choose_tiling picks)
         return sharing.detect(page_src, q_len, kvl, cfg.group_size, cfg.page_size,
                               cfg.kernel.tile_m_decode, self._tilings[-1].tile_m,
-                              sc["tiles"], sc["tokens"], options.window_left,
-                              self._share_min_reads())
+                              sc["tiles"], sc["tokens"], options.window_left, min_reads)
 
     def _grow_share_room(self, need: dict) -> bool:
         """Room for a sharing plan's split slots and terms (twice what it needs); False when
@@ -527,13 +524,14 @@ class Planner(WorkExpansion):
 
     def _build(self, cu, q_len, kvl, used, options, sm_scale, total_q, page_src,
                num_entries, second_cache_requests: int = 0, share=None,
-               detect: bool = False) -> Plan:
+               detect: int | None = None) -> Plan:
         """Expand the batch into work rows, CTA lists, split slots and merges (written into
         the staging buffers: native's C, else the numpy code of expand.py, which compute
         the same plan bit for bit), copy and check the pages, then write the rest of the
         metadata and make the Plan.
 
-        `detect`: look for shared prefixes (sharing.detect) and plan them if found. The
+        `detect`: None, or look for shared prefixes whose sharers would read this many
+        tokens of their run without sharing (sharing.detect), and plan them if found. The
         C expansion answers detect's first test while it reads the batch, so a batch
         that shares nothing pays ~3 us for it rather than numpy's ~9; a batch whose
         first pages repeat is expanded again with its sharing."""
@@ -547,11 +545,11 @@ class Planner(WorkExpansion):
         self._tiling = self._choose_tiling(q_x, options)
         lay, first_repeat = None, None
         if self._native is not None:
-            test = ((page_src, *self._share_bounds, self._share_min_reads(),
-                     self.config.page_size) if detect else None)
+            test = ((page_src, *self._share_bounds, detect, self.config.page_size)
+                    if detect is not None else None)
             lay, first_repeat = self._native.build(self, q_x, kv_x, options, test)
-        if detect and first_repeat is not False:
-            share = self._detect_sharing(page_src, q_len, kvl, options)
+        if detect is not None and first_repeat is not False:
+            share = self._detect_sharing(page_src, q_len, kvl, options, detect)
             if share is not None:
                 return self._build(cu, q_len, kvl, used, options, sm_scale, total_q, page_src,
                                    num_entries, second_cache_requests, share)

@@ -125,13 +125,9 @@ def _may_pay(page_src, reqs, grp, g, n_pages, min_reads: int, page_size: int) ->
         return False
     fmt, pages, arg = page_src
     rows, col, grp = reqs[ok], col[ok], grp[ok]
-    at = (pages[rows, col] if fmt == "table" else pages[arg[rows] + col]).astype(np.int64)
-    # (group ids ascend: one sort of (group, page) pairs packed in an int64)
-    key = np.sort((grp << 40) | at) if at.min() >= 0 and at.max() < 1 << 40 else None
-    if key is None:
-        o = np.lexsort((at, grp))
-        return bool(((grp[o][1:] == grp[o][:-1]) & (at[o][1:] == at[o][:-1])).any())
-    return bool((key[1:] == key[:-1]).any())
+    at = pages[rows, col] if fmt == "table" else pages[arg[rows] + col]
+    o = np.lexsort((at, grp))
+    return bool(((grp[o][1:] == grp[o][:-1]) & (at[o][1:] == at[o][:-1])).any())
 
 
 def candidate_bounds(group: int, page_size: int, decode_rows: int) -> tuple[int, int]:
