@@ -136,7 +136,8 @@ def main(argv=None) -> int:
                              "shipped variants, each 'none' or names joined by '+' "
                              "(window, softcap, sinks), e.g. 'window+sinks,softcap'")
     parser.add_argument("--head-dims", default=None,
-                        help="compile: comma-separated head dims (default: all the arch's)")
+                        help="compile: comma-separated head dims (default: all the arch's); "
+                             "QK:VO for a value head dim of its own, e.g. 192:128")
     parser.add_argument("--groups", default=None,
                         help="compile: comma-separated GQA groups (default: 1,4,7,8)")
     parser.add_argument("--kv-dtypes", default=None,
@@ -161,7 +162,9 @@ def main(argv=None) -> int:
                     kw["features"] = tuple("" if f == "none" else f
                                            for f in args.features.split(","))
                 if args.head_dims:
-                    kw["head_dims"] = tuple(int(x) for x in args.head_dims.split(","))
+                    kw["head_dims"] = tuple(
+                        tuple(int(y) for y in x.split(":")) if ":" in x else int(x)
+                        for x in args.head_dims.split(","))
                 if args.groups:
                     kw["groups"] = tuple(int(x) for x in args.groups.split(","))
                 if args.dtypes:

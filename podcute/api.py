@@ -40,19 +40,24 @@ class PODAttention:
     :class:`~podcute.planning.CapacityError` for a batch that does not fit (README, CUDA graphs).
     ``arch`` (or ``$PODCUTE_ARCH``) forces a kernel target, e.g. ``"sm_90"`` for the
     warp-level kernel on Hopper; by default the device's own (sm_90a on a CPU planner).
+    ``head_dim_vo``: the value head dim where it differs from the query-key ``head_dim``
+    (DeepSeek's prefill: 192 / 128); v_cache and out rows then have that many columns.
     """
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  dtype: torch.dtype = torch.bfloat16, kv_layout: str = "NHD",
                  device="cuda", max_batch_size: int = 256, max_num_tokens: int = 16384,
                  max_num_pages: int | None = None, kv_dtype: torch.dtype | None = None,
-                 arch: str | None = None):
+                 arch: str | None = None, head_dim_vo: int | None = None):
         check_int("num_qo_heads", num_qo_heads)
         check_int("num_kv_heads", num_kv_heads)
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of "
                              f"num_kv_heads ({num_kv_heads})")
         check_head_dim(head_dim)
+        if head_dim_vo is not None:
+            check_head_dim(head_dim_vo, "head_dim_vo")
+        head_dim_vo = head_dim if head_dim_vo is None else head_dim_vo
         check_page_size(page_size)
         check_int("max_batch_size", max_batch_size)
         check_int("max_num_tokens", max_num_tokens)
@@ -67,6 +72,10 @@ class PODAttention:
                             f"(torch.float8_e4m3fn, torch.float8_e5m2), got {kv_dtype}")
         if kv_dtype in FP8_DTYPES:
             check_fp8_kv(head_dim, FP8_DTYPES[kv_dtype])
+            if head_dim_vo != head_dim:
+                raise NotImplementedError(
+                    f"fp8 KV caches with head_dim_vo={head_dim_vo} other than head_dim="
+                    f"{head_dim} are not supported by podcute (16-bit caches are)")
         check_layout(kv_layout)
         if not isinstance(device, (str, int, torch.device)):
             raise TypeError(f"device must be a str, int or torch.device, got "
@@ -89,6 +98,7 @@ class PODAttention:
         self.arch = resolve_arch(device, arch)
         self.num_qo_heads, self.num_kv_heads = num_qo_heads, num_kv_heads
         self.head_dim, self.page_size = head_dim, page_size
+        self.head_dim_vo = head_dim_vo  # V and out rows' columns (q's and K's: head_dim)
         self.dtype, self.kv_layout, self.device = dtype, kv_layout, device
         self.kv_dtype = kv_dtype
         self.fp8 = kv_dtype in FP8_DTYPES
@@ -100,13 +110,15 @@ class PODAttention:
                                max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
                                max_num_pages=max_num_pages,
                                dtype=str(dtype).replace("torch.", ""),
-                               kv_dtype=FP8_DTYPES.get(kv_dtype, ""), arch=self.arch)
+                               kv_dtype=FP8_DTYPES.get(kv_dtype, ""), arch=self.arch,
+                               head_dim_vo=head_dim_vo)
         self._plan: Plan | None = None
         self._device_ok = False  # run()'s require_arch passed (it cannot fail later)
         self._page_arg = "block_table"
         self._cache_tail = ((page_size, num_kv_heads, head_dim) if kv_layout == "NHD"
                             else (num_kv_heads, page_size, head_dim))
         self._q_tail = (num_qo_heads, head_dim)
+        self._vo = None if head_dim_vo == head_dim else head_dim_vo  # (run()'s checks)
 
     @property
     def current_plan(self) -> Plan | None:
@@ -222,12 +234,17 @@ class PODAttention:
             vs, vp = v_cache.stride(), v_cache.data_ptr()
             Hq, D = self._q_tail
             a, b, c = self._cache_tail
+            Dv = cv = D if self._vo is None else self._vo
+            vn = v_cache.shape
             m = self._kv_stride_mask  # 16-byte rows
             if (len(qn) != 3 or qn[1] != Hq or qn[2] != D or qs[2] != 1
                     or (qs[0] | qs[1]) & 7 or qp & 15
                     or not plan.total_q <= qn[0] < 2**31
                     or len(kn) != 4 or kn[1] != a or kn[2] != b or kn[3] != c
-                    or v_cache.shape != kn or ks[3] != 1 or vs[3] != 1
+                    or (vn != kn if self._vo is None else (
+                        len(vn) != 4 or vn[0] != kn[0] or vn[1] != a or vn[2] != b
+                        or vn[3] != cv))
+                    or ks[3] != 1 or vs[3] != 1
                     or (ks[0] | ks[1] | ks[2] | vs[0] | vs[1] | vs[2]) & m or (kp | vp) & 15
                     or not plan.pages_within(kn[0])):
                 return False
@@ -237,7 +254,9 @@ class PODAttention:
                 return False
             on, os_, op = out.shape, out.stride(), out.data_ptr()
             # out's elements distinct (dense row order, no zero strides) and 16-byte rows
-            if (on != qn or os_[2] != 1 or os_[1] < D or os_[0] < Hq * os_[1]
+            if ((on != qn if self._vo is None else (
+                    len(on) != 3 or on[0] != qn[0] or on[1] != Hq or on[2] != Dv))
+                    or os_[2] != 1 or os_[1] < Dv or os_[0] < Hq * os_[1]
                     or (os_[0] | os_[1]) & 7 or op & 15):
                 return False
             # ... and apart from everything the kernel reads (byte ranges [first, end) of
@@ -245,10 +264,10 @@ class PODAttention:
             if qn[0] == 0 or kn[0] == 0:
                 return False
             e, ke = 2, self._kv_elem
-            o_end = op + ((on[0] - 1) * os_[0] + (Hq - 1) * os_[1] + D) * e
+            o_end = op + ((on[0] - 1) * os_[0] + (Hq - 1) * os_[1] + Dv) * e
             q_end = qp + ((qn[0] - 1) * qs[0] + (Hq - 1) * qs[1] + D) * e
             kspan = (kn[0] - 1) * ks[0] + (a - 1) * ks[1] + (b - 1) * ks[2] + c
-            vspan = (kn[0] - 1) * vs[0] + (a - 1) * vs[1] + (b - 1) * vs[2] + c
+            vspan = (kn[0] - 1) * vs[0] + (a - 1) * vs[1] + (b - 1) * vs[2] + cv
             return not ((op < q_end and qp < o_end) or (op < kp + kspan * ke and kp < o_end)
                         or (op < vp + vspan * ke and vp < o_end))
         except (AttributeError, TypeError, ValueError, IndexError, RuntimeError):
@@ -288,9 +307,14 @@ class PODAttention:
         if k_cache.dim() != 4 or tuple(k_cache.shape[1:]) != exp:
             raise ValueError(f"k_cache must be {want} = [num_pages, {', '.join(map(str, exp))}] "
                              f"for kv_layout={self.kv_layout!r}, got shape {tuple(k_cache.shape)}")
-        if v_cache.shape != k_cache.shape:
-            raise ValueError(f"v_cache shape {tuple(v_cache.shape)} differs from k_cache shape "
-                             f"{tuple(k_cache.shape)}")
+        Dv = self.head_dim_vo
+        v_want = tuple(k_cache.shape[:3]) + (Dv,)
+        if tuple(v_cache.shape) != v_want:
+            if Dv == D:
+                raise ValueError(f"v_cache shape {tuple(v_cache.shape)} differs from k_cache "
+                                 f"shape {tuple(k_cache.shape)}")
+            raise ValueError(f"v_cache must be k_cache's shape with head_dim_vo={Dv} last = "
+                             f"{v_want}, got shape {tuple(v_cache.shape)}")
         for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
             if t.stride(-1) != 1:
                 raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got "
@@ -300,7 +324,8 @@ class PODAttention:
         if check_pages:
             plan.check_pages(k_cache.shape[0], self._page_arg)
         if out is not None:
-            check_rows_like("out", out, q, tuple(q.shape), "[total_q, Hq, D]")
+            check_rows_like("out", out, q, (q.shape[0], Hq, Dv), "[total_q, Hq, head_dim_vo]"
+                            if Dv != D else "[total_q, Hq, D]")
             check_out_memory(out, (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)))
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -310,7 +335,8 @@ class PODAttention:
         """Attention of the planned batch. q [T, Hq, D] with T >= cu_seqlens_q[-1] (rows
         past it are padding: never read, never written); caches [num_pages, page_size,
         Hkv, D] (NHD) or [num_pages, Hkv, page_size, D] (HND), any strides with a
-        contiguous last dim. Returns out [T, Hq, D] (q's dtype; `out` if given, which must
+        contiguous last dim (v_cache's D: head_dim_vo). Returns out [T, Hq, head_dim_vo]
+        (q's dtype; `out` if given, which must
         not overlap q or the caches), and with return_lse also lse [T, Hq] float32
         (natural log; `lse` if given: any strides, e.g. the transpose of an [Hq, T]
         buffer, not overlapping the other tensors; giving it implies return_lse).
@@ -374,7 +400,8 @@ class PODAttention:
             # the graph holds the buffers' addresses, and this plan's kernel variant
             self.planner.freeze(plan.options, plan.shares)
         if out is None:
-            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            out = torch.empty(q.shape[0], self.num_qo_heads, self.head_dim_vo, dtype=q.dtype,
+                              device=q.device)
         if return_lse and lse is None:
             lse = torch.empty(q.shape[0], self.num_qo_heads, dtype=torch.float32,
                               device=q.device)
@@ -403,10 +430,10 @@ class PODAttention:
         if self.fp8:
             raise ValueError("a ragged K/V source needs a 16-bit cache (this PODAttention's "
                              f"caches are {self.kv_dtype})")
-        want = (1, int(plan.kv_lens[0]) if plan.batch_size else 0, self.num_kv_heads,
-                self.head_dim)
-        for name, t in zip(("ragged k", "ragged v"), ragged_kv):
-            check_rows_like(name, t, q, want, "[1, kv_len of request 0, Hkv, D]")
+        want = (1, int(plan.kv_lens[0]) if plan.batch_size else 0, self.num_kv_heads)
+        for name, t, d in zip(("ragged k", "ragged v"), ragged_kv,
+                              (self.head_dim, self.head_dim_vo)):
+            check_rows_like(name, t, q, want + (d,), "[1, kv_len of request 0, Hkv, D]")
 
     def _check_sinks(self, sinks, q) -> None:
         """sinks: a float32 [Hq] tensor on q's device with unit stride (its values, like

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from podcute.kernels.config import (FP8_HEAD_DIMS, SUPPORTED_ARCHS, WARP_MMA_ARCHS, KernelConfig,
-                                    arch_head_dims, feature_flags)
+                                    arch_head_dims, feature_flags, tile_head_dim)
 from podcute.kernels.args import PlanTensors, PodTensors
 from podcute.kernels.metadata import MERGE_COLS, NUM_PARAMS, WORK_COLS
 
@@ -98,20 +98,21 @@ def _fake_args(key: VariantKey):
     cfg = key.config
     dtype = DTYPES[cfg.dtype]
     kv_dtype = DTYPES[cfg.kv_dtype] if cfg.fp8 else dtype
-    d, d_io = cfg.head_dim, cfg.io_dim  # the tile's (workspace), the caller's (its tensors)
+    # the tile's (workspace), the caller's query-key and value head dims (its tensors)
+    d, d_io, d_vo = cfg.head_dim, cfg.io_dim, cfg.vo_dim
 
     def sym(div=1):
         return cute.sym_int64(divisibility=div)
 
     # Rows of q/out/K/V are 16-byte aligned (checked by the API): strides divisible by 8.
-    def rows3():
-        return make_fake_tensor(dtype, (sym(), sym(), d_io), (sym(8), sym(8), 1),
+    def rows3(cols):
+        return make_fake_tensor(dtype, (sym(), sym(), cols), (sym(8), sym(8), 1),
                                 assumed_align=16)
 
-    def cache():  # (16-byte rows: strides divisible by 16 / element size)
+    def cache(cols):  # (16-byte rows: strides divisible by 16 / element size)
         div = 16 // (kv_dtype.width // 8)
         return make_fake_tensor(
-            kv_dtype, (sym(), sym(), sym(), d_io), (sym(div), sym(div), sym(div), 1),
+            kv_dtype, (sym(), sym(), sym(), cols), (sym(div), sym(div), sym(div), 1),
             assumed_align=16
         )
 
@@ -138,9 +139,11 @@ def _fake_args(key: VariantKey):
               if cfg.fp8 else (None, None))
     # The second K/V source: the ragged request's K/V, [1, kv_len, Hkv, D] views as a
     # cache's (ragged_kv), or a second cache (second_cache).
-    ragged = (cache(), cache()) if cfg.ragged_kv or cfg.second_cache else (None, None)
+    ragged = ((cache(d_io), cache(d_vo)) if cfg.ragged_kv or cfg.second_cache
+              else (None, None))
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-    io = PodTensors(mQ=rows3(), mK=cache(), mV=cache(), mO=rows3(), mLSE=lse, mSinks=sinks,
+    io = PodTensors(mQ=rows3(d_io), mK=cache(d_io), mV=cache(d_vo), mO=rows3(d_vo),
+                    mLSE=lse, mSinks=sinks,
                     mKScale=scales[0], mVScale=scales[1], mK2=ragged[0],
                     mV2=ragged[1])
     plan = PlanTensors(mWork=work, mCtaPtr=ivec(), mQStart=ivec(), mKvLen=ivec(),
@@ -224,22 +227,30 @@ def shipped_variants(arch: str = "sm_90a", head_dims=None, groups=(1, 4, 7, 8),
     size, so it has one. fp8 KV caches (`kv_dtypes`, e.g. ("float8_e4m3fn",)) compile on
     first use too unless asked for; they have no head_dim 256 variant, which such a list
     skips, and only sm_90a has them. `head_dims` defaults to the arch's own
-    (config.arch_head_dims); other head dims in the list are skipped.
+    (config.arch_head_dims); other head dims in the list are skipped. An entry may be a
+    (query-key, value) pair, e.g. (192, 128) (16-bit caches, on a tile the arch has).
     """
     own = arch_head_dims(arch)
     head_dims = own if head_dims is None else head_dims
     if arch in WARP_MMA_ARCHS and any(kv_dtypes):
         raise ValueError(f"fp8 KV caches need the sm_90a kernel; {arch} has none")
+
+    def dims(entry):  # (head_dim, head_dim_vo, whether this list compiles it)
+        if isinstance(entry, tuple):
+            d, dv = entry
+            return d, dv, max(tile_head_dim(d), tile_head_dim(dv)) in own
+        return entry, entry, entry in own
+
     keys = [
-        VariantKey.make(KernelConfig.select(dtype, head_dim, group, causal, has_lse,
+        VariantKey.make(KernelConfig.select(dtype, d, group, causal, has_lse,
                                             page_size, arch=arch, kv_dtype=kv,
-                                            **feature_flags(spec)))
+                                            head_dim_vo=dv, **feature_flags(spec)))
         for kv in kv_dtypes
         for spec in features
         for page_size in (128, 16, 1)
         for dtype in dtypes
-        for head_dim in head_dims
-        if head_dim in own and (not kv or head_dim in FP8_HEAD_DIMS)
+        for d, dv, ok in map(dims, head_dims)
+        if ok and (not kv or (d == dv and d in FP8_HEAD_DIMS))
         for group in groups
         for causal in (True, False)
         for has_lse in (True, False)
@@ -371,7 +382,9 @@ def compile_all(arch: str, check: bool = False, out=None, jobs: int | None = Non
                 failures.append(key)
         bar = "#" * (30 * i // len(variants))
         c = key.config
-        print(f"[{bar:<30}] {i}/{len(variants)} {c.dtype} d{c.head_dim} g{c.group} "
+        dims = (f"d{c.head_dim}" if c.io_dim == c.vo_dim == c.head_dim
+                else f"d{c.io_dim}:{c.vo_dim} (tile {c.head_dim})")
+        print(f"[{bar:<30}] {i}/{len(variants)} {c.dtype} {dims} g{c.group} "
               f"causal={c.causal} lse={c.has_lse} kv_box={c.kv_box}"
               f"{' kv=' + c.kv_dtype if c.fp8 else ''}"
               f"{' ' + c.features if c.features else ''} {secs:.1f}s{note}", file=out,

@@ -189,16 +189,19 @@ _ONE_SHOT_FOR: dict = {}
 
 def one_shot_attention(num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                        dtype: torch.dtype, kv_layout: str, device,
-                       kv_dtype: torch.dtype | None = None, scalars: tuple = ()) -> tuple:
+                       kv_dtype: torch.dtype | None = None, scalars: tuple = (),
+                       head_dim_vo: int | None = None) -> tuple:
     """The (PODAttention, CallPlanner) the one-shot entry points use for a configuration
     and the plan scalars of a call (hashable; the entry point's own tuple)."""
     kv_dtype = dtype if kv_dtype is None else kv_dtype
+    head_dim_vo = head_dim if head_dim_vo is None else head_dim_vo
     key = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype, kv_layout, device, kv_dtype,
-           scalars)
+           scalars, head_dim_vo)
     hit = _ONE_SHOT.get(key)
     if hit is None:
         att = PODAttention(num_qo_heads, num_kv_heads, head_dim, page_size, dtype=dtype,
-                           kv_layout=kv_layout, device=device, kv_dtype=kv_dtype)
+                           kv_layout=kv_layout, device=device, kv_dtype=kv_dtype,
+                           head_dim_vo=head_dim_vo)
         hit = _ONE_SHOT[key] = (att, CallPlanner(att))
     return hit
 
@@ -208,18 +211,19 @@ def one_shot_for(q, k_cache, v_cache, kv_layout: str, *, where: str = "",
     """one_shot_attention() of the configuration a call's tensors imply: q [T, Hq, D] and
     4-D caches in `kv_layout`, each check a named error before anything is planned.
     `where` prefixes the messages and `names` are what the caller calls q and the caches;
-    `scalars` (hashable, validated by the caller) pick the attention of a kind of layer."""
+    `scalars` (hashable, validated by the caller) pick the attention of a kind of layer.
+    v_cache's last dim may differ from q's and k_cache's: the value head dim."""
     try:
         qn, kn = q.shape, k_cache.shape
-        memo = (len(qn), qn[1], qn[2], len(kn), kn[1], kn[2], kn[3], q.dtype, k_cache.dtype,
-                q.device, kv_layout, scalars)
+        memo = (len(qn), qn[1], qn[2], len(kn), kn[1], kn[2], kn[3], v_cache.shape[-1],
+                q.dtype, k_cache.dtype, q.device, kv_layout, scalars)
         hit = _ONE_SHOT_FOR.get(memo)
     except (AttributeError, IndexError, TypeError):
         memo = hit = None
     if (hit is not None and type(q) is torch.Tensor and type(k_cache) is torch.Tensor
             and type(v_cache) is torch.Tensor):
         return hit
-    q_name, k_name, _ = names
+    q_name, k_name, v_name = names
     for name, t in zip(names, (q, k_cache, v_cache)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{where}{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -251,11 +255,15 @@ def one_shot_for(q, k_cache, v_cache, kv_layout: str, *, where: str = "",
         raise ValueError(f"{where}{q_name}'s {Hq} heads must be a multiple of {k_name}'s {Hkv} "
                          "KV heads")
     check_head_dim(D, f"{where}head_dim ({q_name}.shape[2])")
+    Dv = v_cache.shape[-1] if v_cache.dim() == 4 else D  # (run() names a v of other rank)
+    if Dv != D:
+        check_head_dim(Dv, f"{where}head_dim_vo ({v_name}.shape[3])")
     check_page_size(ps, f"{where}page_size ({k_name}.shape[{page_dim}])")
     # An fp8 cache selects fp8 variants (PODAttention checks the head dim); any other
     # cache dtype is run()'s to refuse.
     kv_dtype = k_cache.dtype if k_cache.dtype in FP8_DTYPES else None
-    hit = one_shot_attention(Hq, Hkv, D, ps, q.dtype, kv_layout, q.device, kv_dtype, scalars)
+    hit = one_shot_attention(Hq, Hkv, D, ps, q.dtype, kv_layout, q.device, kv_dtype, scalars,
+                             Dv)
     if memo is not None:
         _ONE_SHOT_FOR[memo] = hit
     return hit

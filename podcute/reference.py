@@ -82,10 +82,12 @@ def _check_scale(name, scale, cache, hkv, device):
 
 def _attend(q, k, v, first_pos, causal, sm_scale, window=(-1, -1), softcap=0.0, sinks=None):
     """Attention of `q` [m, Hq, D] (query r at position first_pos + r) over `k`, `v`
-    [kv_len, Hkv, D], all float32. `window` is (left, right), -1 unbounded; `softcap`
-    0 is off; `sinks` is None or float32 [Hq]. Returns out [m, Hq, D] and lse [m, Hq]."""
+    [kv_len, Hkv, D] (v's D may differ: the value head dim), all float32. `window` is
+    (left, right), -1 unbounded; `softcap` 0 is off; `sinks` is None or float32 [Hq].
+    Returns out [m, Hq, v's D] and lse [m, Hq]."""
     m, hq, d = q.shape
     kv_len, hkv, _ = k.shape
+    dv = v.shape[-1]
     g = hq // hkv
     left, right = window
     if causal:
@@ -123,8 +125,8 @@ def _attend(q, k, v, first_pos, causal, sm_scale, window=(-1, -1), softcap=0.0, 
         lse = torch.logaddexp(lse, sinks.reshape(hkv, g, 1))
     # Rows with lse -inf would give exp(-inf - -inf) = NaN; shifting by 0 gives P = 0, O = 0.
     p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
-    o = torch.bmm(p.view(hkv, g * m, n), v.transpose(0, 1)).view(hkv, g, m, d)
-    return o.permute(2, 0, 1, 3).reshape(m, hq, d), lse.permute(2, 0, 1).reshape(m, hq)
+    o = torch.bmm(p.view(hkv, g * m, n), v.transpose(0, 1)).view(hkv, g, m, dv)
+    return o.permute(2, 0, 1, 3).reshape(m, hq, dv), lse.permute(2, 0, 1).reshape(m, hq)
 
 
 def _check_features(window_size, softcap, sinks, hq, device):
@@ -184,7 +186,8 @@ def pod_attention_reference(
     [num_pages, Hkv, page_size, D] ("HND"), any strides. Pages come from `block_table`
     [B, max_pages] or from CSR `kv_indptr` [B+1] / `kv_indices`; `seqused_k` [B] holds
     the KV lengths. Query j of request i sits at position kv_len - q_len + j (causal is
-    bottom-right aligned). Returns out [total_q, Hq, D] in q's dtype, and with
+    bottom-right aligned). v_cache's head dim may differ from q's and k_cache's (a value
+    head dim of its own). Returns out [total_q, Hq, v_cache's D] in q's dtype, and with
     `return_lse` also the natural-log LSE [total_q, Hq] float32.
 
     Model features (docs/contract.md, "Model features"): `window_size=(left, right)`,
@@ -226,7 +229,7 @@ def pod_attention_reference(
     kv_lens = seqused_k.tolist()
     kv_indptr_host = kv_indptr.tolist() if block_table is None else None
 
-    out = torch.zeros(total_q, hq, d, dtype=torch.float32, device=q.device)
+    out = torch.zeros(total_q, hq, v_cache.shape[-1], dtype=torch.float32, device=q.device)
     lse = torch.full((total_q, hq), float("-inf"), dtype=torch.float32, device=q.device)
     with full_fp32_matmul():
         for i, kv_len in enumerate(kv_lens):

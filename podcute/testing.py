@@ -88,6 +88,7 @@ def make_batch(
     garbage=float("nan"),
     sm_scale=None,
     seed=0,
+    head_dim_vo=None,
 ) -> Batch:
     """A random batch: request i has q_lens[i] queries and kv_lens[i] KV tokens.
 
@@ -99,6 +100,8 @@ def make_batch(
     pool has no spare page (pool_factor <= 1). CSR lists exactly the needed pages.
     `interleaved`: k/v are the halves [:, 0], [:, 1] of one [num_pages, 2, ...] tensor.
     `strided_q`: q is qkv[:, :Hq] of a [total_q, Hq + 2 Hkv, D] tensor (rest garbage).
+    `head_dim_vo`: V rows of that many columns (default head_dim); interleaved, both
+    halves are the first columns of rows max(head_dim, head_dim_vo) wide.
     Deterministic for a given seed and device; the values of q, K, V and the page
     assignment do not depend on kv_layout, page_format, interleaved or strided_q, so
     those variants of one batch have the same reference output.
@@ -118,6 +121,7 @@ def make_batch(
     gen = torch.Generator(device=device).manual_seed(seed)
     i32 = dict(dtype=torch.int32, device=device)
     b, hq, hkv, d, ps = len(q_lens), num_qo_heads, num_kv_heads, head_dim, page_size
+    dv = d if head_dim_vo is None else int(head_dim_vo)
 
     n_pages = [-(-n // ps) for n in kv_lens]
     needed = sum(n_pages)
@@ -129,13 +133,15 @@ def make_batch(
     used, spare = perm[:needed], perm[needed:]
 
     # Token view [num_pages, page_size, Hkv, D] of each cache, whatever its layout.
-    page_shape = (ps, hkv, d) if kv_layout == "NHD" else (hkv, ps, d)
+    page_shape = (ps, hkv, max(d, dv)) if kv_layout == "NHD" else (hkv, ps, max(d, dv))
     if interleaved:
         pool = torch.full((num_pages, 2, *page_shape), garbage, dtype=dtype, device=device)
-        k_cache, v_cache = pool[:, 0], pool[:, 1]
+        k_cache, v_cache = pool[:, 0, ..., :d], pool[:, 1, ..., :dv]
     else:
-        k_cache = torch.full((num_pages, *page_shape), garbage, dtype=dtype, device=device)
-        v_cache = torch.full_like(k_cache, garbage)
+        k_cache = torch.full((num_pages, *page_shape[:2], d), garbage, dtype=dtype,
+                             device=device)
+        v_cache = torch.full((num_pages, *page_shape[:2], dv), garbage, dtype=dtype,
+                             device=device)
 
     # Where each KV token lives: (page, slot), computed for all tokens at once.
     kv_t = torch.tensor(kv_lens, dtype=torch.int64, device=device)
@@ -145,9 +151,9 @@ def make_batch(
     page_base = torch.tensor([0] + n_pages[:-1], dtype=torch.int64, device=device).cumsum(0)
     page = used.long()[page_base[req] + tok // ps]
     slot = tok % ps
-    for cache in (k_cache, v_cache):
+    for cache, cols in ((k_cache, d), (v_cache, dv)):
         tokens = cache if kv_layout == "NHD" else cache.transpose(1, 2)
-        data = torch.randn(total_kv, hkv, d, generator=gen, device=device, dtype=dtype)
+        data = torch.randn(total_kv, hkv, cols, generator=gen, device=device, dtype=dtype)
         tokens[page, slot] = data
 
     total_q = sum(q_lens)
@@ -414,6 +420,18 @@ HEAD_SIZE_CASES = [
     dict(d=224, page=128, hq=16, hkv=2, dtype=torch.float16),
 ]
 
+# A value head dim of its own (tests/test_kernel_gpu.py::test_value_head_dims): DeepSeek's
+# prefill shape 192 / 128 (MHA and GQA) on each page class, values narrower and wider than
+# the keys, interleaved halves of a wider pool, fp16, no LSE, and the model features.
+VALUE_HEAD_DIM_CASES = [
+    dict(d=192, dv=128, page=16, hq=16, hkv=2), dict(d=192, dv=128, page=128, hq=8, hkv=8),
+    dict(d=192, dv=128, page=1, hq=8, hkv=2, causal=False),
+    dict(d=128, dv=64, page=16), dict(d=64, dv=128, page=32, layout="HND", fmt="csr"),
+    dict(d=128, dv=96, page=8, interleaved=True, dtype=torch.float16),
+    dict(d=96, dv=40, page=128, lse=False), dict(d=256, dv=192, page=16, hq=8, hkv=1),
+    dict(d=192, dv=128, page=16, window_size=(500, 0), softcap=30.0, sinks=True),
+]
+
 # check_fp8()'s defaults: an e4m3 cache with per-KV-head float32 scales, 8/2 heads, D 128,
 # page 16, bf16 queries, causal.
 FP8_DEFAULTS = dict(hq=8, hkv=2, d=128, page=16, dtype=torch.bfloat16, causal=True,
@@ -494,14 +512,15 @@ def make_shared_prefix_batch(rng: random.Random, *, num_qo_heads, num_kv_heads, 
                              page_size, num_groups=2, sharers=(2, 6), prefix_pages=(16, 40),
                              sub_share=0.5, own_tokens=(1, 200), spec=0.2, others=2,
                              dtype=torch.bfloat16, page_format="table", shuffle=True,
-                             device="cpu"):
+                             device="cpu", head_dim_vo=None):
     """A batch whose decode requests share leading pages: `num_groups` prefixes (each
     `prefix_pages` pages) with `sharers` requests each, some of them (`sub_share`)
     sharing a longer prefix with a neighbour (a second level), each with its own
     `own_tokens` more (the first own page may be partially filled), a few with 2-4 query
     tokens (speculative, `spec`), plus `others` requests that share nothing (one of them
     a prefill). Pages are random in a pool of random K/V; requests in a random order
-    (`shuffle`). Returns a Batch (block table or CSR)."""
+    (`shuffle`). V rows have `head_dim_vo` columns (default head_dim). Returns a Batch
+    (block table or CSR)."""
     Hq, Hkv, D, ps = num_qo_heads, num_kv_heads, head_dim, page_size
     next_page = [0]
 
@@ -533,7 +552,7 @@ def make_shared_prefix_batch(rng: random.Random, *, num_qo_heads, num_kv_heads, 
     g = torch.Generator().manual_seed(rng.randint(0, 2**31))
     num_pages = next_page[0] + 3
     k = torch.randn(num_pages, ps, Hkv, D, generator=g).to(dtype)
-    v = torch.randn(num_pages, ps, Hkv, D, generator=g).to(dtype)
+    v = torch.randn(num_pages, ps, Hkv, head_dim_vo or D, generator=g).to(dtype)
     q_lens = [r[0] for r in reqs]
     kv_lens = [r[2] for r in reqs]
     T = sum(q_lens)

@@ -583,7 +583,9 @@ def test_batch_attention_plan():
 @pytest.mark.parametrize("kw, exc, words", [
     (dict(logits_soft_cap=-1.0), ValueError, ["softcap", ">= 0"]),
     (dict(logits_soft_cap="30"), TypeError, ["logits_soft_cap", "float"]),
-    (dict(head_dim_vo=64), NotImplementedError, ["head_dim_vo", "head_dim_qk"]),
+    (dict(head_dim_vo=64, kv_data_type=torch.float8_e4m3fn), NotImplementedError,
+     ["fp8", "head_dim_vo=64"]),
+    (dict(head_dim_vo=84), NotImplementedError, ["head_dim_vo", "multiples of 8"]),
     (dict(use_profiler=True), NotImplementedError, ["use_profiler"]),
     (dict(kv_data_type=torch.int8), NotImplementedError, ["kv_data_type", "float8_e5m2"]),
     (dict(head_dim_qk=84, head_dim_vo=84), NotImplementedError, ["head_dim_qk", "multiples of 8"]),

@@ -16,13 +16,16 @@ from podcute.kernels.config import WARP_MMA_ARCHS
 
 pytestmark = pytest.mark.compile
 
-# (arch, dtype, head_dim, group, causal, lse, page_size, features): the heaviest common
-# shape of each family (every model feature on; sm_90a at its 16-slot TMA page class), and
-# each family at a head dim between its tiles.
+# (arch, dtype, head_dim, group, causal, lse, page_size, features[, head_dim_vo]): the
+# heaviest common shape of each family (every model feature on; sm_90a at its 16-slot TMA
+# page class), each family at a head dim between its tiles, and each with a value head dim
+# of its own (DeepSeek's 192 / 128 on sm_90a's 256 tile; 128 / 64 on the warp-level kernel).
 VARIANTS = [("sm_90a", "bfloat16", 128, 4, True, True, 16, "window+softcap+sinks")] + [
     (arch, "bfloat16", 128, 4, True, True, 16, "") for arch in WARP_MMA_ARCHS] + [
     # a head dim between the tiles (80 on the 96 tile), each family
-    ("sm_90a", "bfloat16", 80, 4, True, True, 16, ""), ("sm_80", "bfloat16", 80, 4, True, True, 16, "")]
+    ("sm_90a", "bfloat16", 80, 4, True, True, 16, ""), ("sm_80", "bfloat16", 80, 4, True, True, 16, ""),
+    ("sm_90a", "bfloat16", 192, 4, True, True, 16, "", 128),
+    ("sm_80", "bfloat16", 128, 4, True, True, 16, "", 64)]
 # Spill bytes ptxas reports on plain sm_90's shipped set (tests/test_compile_portable.py
 # says where they are); every other target spills nothing.
 SPILL_ALLOWANCE = {"sm_90": 64}
@@ -32,8 +35,9 @@ import json, sys
 from podcute.compile import VariantKey, compile_many
 from podcute.kernels.config import KernelConfig, feature_flags
 keys = [VariantKey.make(KernelConfig.select(dt, d, g, causal, lse, page, arch=arch,
+                                            head_dim_vo=vo[0] if vo else 0,
                                             **feature_flags(feat)))
-        for arch, dt, d, g, causal, lse, page, feat in json.loads(sys.argv[1])]
+        for arch, dt, d, g, causal, lse, page, feat, *vo in json.loads(sys.argv[1])]
 for key, secs, counts in compile_many(keys, jobs=2, check=True):
     print("RESULT", key.config.arch, json.dumps(counts), flush=True)
 """

@@ -22,7 +22,7 @@ from podcute.reference import pod_attention_reference
 from podcute.testing import (CHECK_DEFAULTS, EXTRA_FEATURE_CASES, FEATURE_CASES, HEAD_SIZE_CASES,
                              NUM_SPLIT_CASES,
                              RANDOM_FEATURE_PRESETS, RANDOM_FEATURE_SHAPES, WIDE_PAGES,
-                             WIDE_SHAPES, handover_lengths, make_batch,
+                             VALUE_HEAD_DIM_CASES, WIDE_SHAPES, handover_lengths, make_batch,
                              mixed_lengths)
 
 pytestmark = pytest.mark.gpu
@@ -54,11 +54,12 @@ def _record(name, dtype, rel, lse_err):
 _wrappers = {}
 
 
-def _wrapper(hq, hkv, d, page, dtype, layout):
-    key = (hq, hkv, d, page, dtype, layout)
+def _wrapper(hq, hkv, d, page, dtype, layout, dv=None):
+    key = (hq, hkv, d, page, dtype, layout, dv)
     if key not in _wrappers:
         _wrappers[key] = PODAttention(hq, hkv, d, page, dtype=dtype, kv_layout=layout,
-                                      device="cuda", max_batch_size=64, max_num_tokens=4096)
+                                      device="cuda", max_batch_size=64, max_num_tokens=4096,
+                                      head_dim_vo=dv)
     return _wrappers[key]
 
 
@@ -69,18 +70,20 @@ def check(name, q_lens, kv_lens, *, hq=_D["hq"], hkv=_D["hkv"], d=_D["d"], page=
           dtype=_D["dtype"], layout="NHD", fmt="table", causal=_D["causal"], interleaved=False,
           strided_q=False, seed=0, pad_rows=0, window_size=_D["window_size"],
           softcap=_D["softcap"], sinks=_D["sinks"], batch_invariant=False, lse=True,
-          planner_kw=None):
+          planner_kw=None, dv=None):
     """One batch against the reference; `sinks` True draws random per-head sink logits;
+    `dv`: a value head dim of its own (v_cache and out rows that wide);
     `lse` False runs the variant without LSE (only the output is compared); `planner_kw`:
     a wrapper of its own whose Planner gets these arguments (`num_sms`: a grid made for
     another chip; `hbm_bytes_per_sm_clock`: another chip's choice of SM pairs)."""
-    if d > max(arch_head_dims(ARCH)):
-        pytest.skip(f"head_dim {d}: no {ARCH} kernel")
+    if max(d, dv or d) > max(arch_head_dims(ARCH)):
+        pytest.skip(f"head_dim {d} / {dv or d}: no {ARCH} kernel")
     b = make_batch(q_lens, kv_lens, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d,
                    page_size=page, dtype=dtype, device="cuda", kv_layout=layout,
-                   page_format=fmt, interleaved=interleaved, strided_q=strided_q, seed=seed)
+                   page_format=fmt, interleaved=interleaved, strided_q=strided_q, seed=seed,
+                   head_dim_vo=dv)
     if not planner_kw:
-        attn = _wrapper(hq, hkv, d, page, dtype, layout)
+        attn = _wrapper(hq, hkv, d, page, dtype, layout, dv)
     else:
         init = Planner.__init__
         Planner.__init__ = lambda self, *a, **kw: init(self, *a, **dict(kw, **planner_kw))
@@ -107,10 +110,13 @@ def check(name, q_lens, kv_lens, *, hq=_D["hq"], hkv=_D["hkv"], d=_D["d"], page=
         res = attn.run(q, b.k_cache, b.v_cache, out=out, return_lse=lse, sinks=sink_t)
         return res if lse else (res, None)
 
-    out, lse_out = run(torch.full_like(q, float("nan")))
+    def poison():
+        return torch.full((q.shape[0], hq, dv or d), float("nan"), dtype=dtype, device="cuda")
+
+    out, lse_out = run(poison())
     # Again into fresh poison: split groups merge in-kernel behind per-group semaphores,
     # which must be back at zero for the next launch (and for CUDA-graph replays).
-    again, lse_again = run(torch.full_like(q, float("nan")))
+    again, lse_again = run(poison())
     ref, ref_lse = b.reference(causal=causal, return_lse=True, window_size=window_size,
                                softcap=softcap, sinks=sink_t)
     torch.cuda.synchronize()
@@ -171,6 +177,16 @@ def test_head_dims_between_tiles(cfg):
     """Head dims engines ship between the compiled tiles (each on the next tile, its other
     columns zero): every page class, split KV (the 8000-token decode), CSR and HND."""
     check(f"head dim {cfg}", [300, 1, 1, 5, 0, 1, 8], [700, 64, 1, 900, 17, 8000, 8], **cfg)
+
+
+@pytest.mark.parametrize("cfg", VALUE_HEAD_DIM_CASES,
+                         ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_value_head_dims(cfg):
+    """A value head dim of its own (DeepSeek's prefill 192 / 128, narrower and wider
+    values): V copied and out stored at their width, splits merged at it, every page
+    class, CSR/HND, interleaved halves of a wider pool, with and without LSE."""
+    check(f"value head dim {cfg}", [300, 1, 1, 5, 0, 1, 8], [700, 64, 1, 900, 17, 8000, 8],
+          **cfg)
 
 
 @pytest.mark.parametrize("order", ["prefill-only", "decode-only", "long-decode", "spec-decode"])

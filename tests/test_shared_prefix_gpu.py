@@ -44,7 +44,8 @@ def _run_and_check(attn, b, fmt, dtype, causal=True, sinks=None, softcap=0.0, sh
           else dict(kv_indptr=b.kv_indptr, kv_indices=b.kv_indices))
     summary = attn.plan(b.cu_seqlens_q, b.seqused_k, causal=causal, softcap=softcap,
                         window_size=window_size, share_prefixes=share, **kw)
-    out = torch.full_like(b.q, float("nan"))
+    out = torch.full((*b.q.shape[:2], b.v_cache.shape[-1]), float("nan"), dtype=b.q.dtype,
+                     device=b.q.device)
     out, lse = attn.run(b.q, b.k_cache, b.v_cache, out=out, return_lse=True, sinks=sinks)
     torch.cuda.synchronize()
     ref, rlse = b.reference(causal=causal, return_lse=True, softcap=softcap, sinks=sinks,
@@ -72,6 +73,19 @@ def test_shared_prefix_batches(seed, fmt):
     summary, _ = _run_and_check(attn, b, fmt, dtype, causal=causal)
     assert summary.num_shared_prefixes > 0, str(summary)
     _run_and_check(attn, b, fmt, dtype, causal=causal, share=False)
+
+
+@pytest.mark.parametrize("fmt", ["table", "csr"])
+def test_shared_prefix_with_a_value_head_dim(fmt):
+    """DeepSeek's 192 / 128: prefix tiles and own pieces write 128-column partials, the
+    merges combine them at that width."""
+    rng = random.Random(11)
+    b = make_shared_prefix_batch(rng, num_qo_heads=16, num_kv_heads=2, head_dim=192,
+                                 page_size=16, page_format=fmt, device="cuda",
+                                 head_dim_vo=128)
+    attn = _attention(16, 2, 192, 16, dtype=torch.bfloat16, head_dim_vo=128)
+    summary, _ = _run_and_check(attn, b, fmt, torch.bfloat16)
+    assert summary.num_shared_prefixes > 0, str(summary)
 
 
 def test_shared_prefix_with_softcap_and_sinks():

@@ -353,8 +353,9 @@ def test_what_podcute_lacks_is_named(launches):
     with pytest.raises(NotImplementedError, match="fp8 queries"):
         flash_attn_varlen_func(b["q"].to(torch.float8_e4m3fn), b["k"], b["v"], 20, b["cu"], 40,
                                seqused_k=b["kvl"], block_table=b["bt"])
-    with pytest.raises(NotImplementedError, match="value head dim"):
-        flash_attn_varlen_func(b["q"], b["k"], b["v"][..., :64], 20, b["cu"], 40,
+    with pytest.raises(NotImplementedError, match="fp8 KV caches with head_dim_vo=64"):
+        flash_attn_varlen_func(b["q"], b["k"].to(torch.float8_e4m3fn),
+                               b["v"][..., :64].to(torch.float8_e4m3fn), 20, b["cu"], 40,
                                seqused_k=b["kvl"], block_table=b["bt"])
     with pytest.raises(NotImplementedError, match="page_size.*512"):
         flash_attn_varlen_func(b["q"], torch.randn(2, 512, HKV, D, dtype=torch.bfloat16),

@@ -273,14 +273,10 @@ def _check_tensor(name: str, t, ndim: int) -> None:
 
 
 def _check_kv(k, v, ndim: int) -> None:
-    """k and v tensors of `ndim` dims with one head dim (FlashAttention 3's separate value
-    head dim, dv != d, is a feature podcute lacks)."""
+    """k and v tensors of `ndim` dims (v's head dim may differ from k's: FlashAttention
+    3's and 4's separate value head dim, e.g. 192 / 128; out then has v's)."""
     _check_tensor("k", k, ndim)
     _check_tensor("v", v, ndim)
-    if v.shape[-1] != k.shape[-1]:
-        raise NotImplementedError(f"{_WHERE}a value head dim (v.shape[-1] = {v.shape[-1]}) "
-                                  f"other than the key head dim ({k.shape[-1]}) is not "
-                                  "supported by podcute")
 
 
 def _caches(k, v, paged: bool) -> tuple:

@@ -33,8 +33,8 @@ How FlashInfer's conventions map onto podcute:
   and what is supported: ``pos_encoding_mode`` other than ``"NONE"``,
   ``rope_scale``/``rope_theta``, custom
   masks, fp8 queries (``q_scale`` other than None/1), KV dtypes other than q's or fp8,
-  ``head_dim_qk != head_dim_vo``, fp16 QK reduction, the profiler, NVFP4 scale factors,
-  ``jit_args``;
+  ``head_dim_qk != head_dim_vo`` with an fp8 cache, fp16 QK reduction, the profiler,
+  NVFP4 scale factors, ``jit_args``;
 - fp8 KV caches: plan with ``kv_data_type=torch.float8_e4m3fn`` (or ``float8_e5m2``) and
   bf16/fp16 ``q_data_type``; run()'s ``k_scale``/``v_scale`` (Python floats as FlashInfer
   takes them, or podcute's float32 device tensors of shape [] or [Hkv]) dequantise the
@@ -349,20 +349,23 @@ class _Wrapper:
         self._attns: dict = {}
 
     def _attention(self, role, num_qo_heads, num_kv_heads, head_dim, page_size, dtype,
-                   kv_dtype=None, head_dim_name="head_dim", **capacities) -> PODAttention:
+                   kv_dtype=None, head_dim_name="head_dim", head_dim_vo=None,
+                   **capacities) -> PODAttention:
         """The PODAttention of a role and configuration; `capacities` (PODAttention's
         max_batch_size / max_num_pages) size a new one, as FlashInfer sizes a CUDA-graph
-        wrapper from the buffers the caller hands it."""
+        wrapper from the buffers the caller hands it. `head_dim_vo`: a value head dim of
+        its own (BatchAttention's head_dim_vo), else None."""
         for name, v in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
                         (head_dim_name, head_dim), ("page_size", page_size)):
             check_int(name, v)
-        key = (role, num_qo_heads, num_kv_heads, head_dim, page_size, dtype, kv_dtype)
+        key = (role, num_qo_heads, num_kv_heads, head_dim, page_size, dtype, kv_dtype,
+               head_dim_vo)
         attn = self._attns.get(key)
         if attn is None:
             with renamed_errors({"head_dim": head_dim_name, "kv_dtype": "kv_data_type"}):
                 attn = PODAttention(num_qo_heads, num_kv_heads, head_dim, page_size,
                                     dtype=dtype, kv_layout=self._kv_layout, device=self.device,
-                                    kv_dtype=kv_dtype, **capacities)
+                                    kv_dtype=kv_dtype, head_dim_vo=head_dim_vo, **capacities)
             self._attns[key] = attn
         return attn
 
@@ -943,14 +946,11 @@ class BatchAttention(_Wrapper):
         softcap = _softcap("logits_soft_cap", logits_soft_cap)
         check_int("head_dim_qk", head_dim_qk)
         check_int("head_dim_vo", head_dim_vo)
-        if head_dim_vo != head_dim_qk:
-            raise NotImplementedError(f"head_dim_vo={head_dim_vo} with head_dim_qk="
-                                      f"{head_dim_qk} is not supported by podcute (supported: "
-                                      "head_dim_vo == head_dim_qk)")
         dtype, kv_dtype = _plan_dtype(q_data_type, kv_data_type)
         self._attn = None
         attn = self._attention("batch", num_qo_heads, num_kv_heads, head_dim_qk, page_size,
-                               dtype, kv_dtype, head_dim_name="head_dim_qk")
+                               dtype, kv_dtype, head_dim_name="head_dim_qk",
+                               head_dim_vo=head_dim_vo)
         with renamed_errors({"cu_seqlens_q": "qo_indptr"}):
             attn.plan(qo_indptr, kv_len_arr, kv_indptr=kv_indptr, kv_indices=kv_indices,
                       causal=causal, sm_scale=sm_scale, softcap=softcap, _kv_name="kv_len_arr")
@@ -958,7 +958,7 @@ class BatchAttention(_Wrapper):
 
     def run(self, q, kv_cache, out=None, lse=None, k_scale=None, v_scale=None,
             logits_soft_cap=0.0, profiler_buffer=None, kv_cache_sf=None):
-        """Attention of the planned batch. Returns ``(out, lse)``: out [rows, Hq, D] in
+        """Attention of the planned batch. Returns ``(out, lse)``: out [rows, Hq, head_dim_vo] in
         q's dtype, lse float32 [rows, Hq] in base 2 (FlashInfer's); ``out``/``lse`` are
         filled when given (rows past ``qo_indptr[-1]`` are left as they are)."""
         _check_features(profiler_buffer=profiler_buffer, kv_cache_sf=kv_cache_sf)

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 # The head dims of the compiled tiles. A caller's head dim may be any multiple of 8 up to
 # 256 (`HEAD_DIM_STEP`, `MAX_HEAD_DIM`): it runs on the next tile (`tile_head_dim`), its
 # missing columns zero in shared memory and never stored (`KernelConfig.head_dim_io`).
+# Values may be narrower or wider than queries and keys (DeepSeek's prefill: 192 / 128):
+# the tile serves the wider of the two (`KernelConfig.head_dim_vo`).
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 256)
 HEAD_DIM_STEP, MAX_HEAD_DIM = 8, 256
 SUPPORTED_PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # powers of two: the kernel takes log2
@@ -166,6 +168,11 @@ class KernelConfig:
     # memory (never copied, so Q K^T and P V see zeros there) and are never stored. 0: the
     # caller's head dim is the tile's.
     head_dim_io: int = 0
+    # The columns of V and out rows where they differ from those of q and K (a value head
+    # dim of its own, e.g. 192 / 128): V rows fill the first `head_dim_vo` columns of each
+    # V tile (the rest zero, so P V's columns past it are zeros, never stored), and out,
+    # the partials' merges and the LSE-merged rows have that many. 0: q's head dim.
+    head_dim_vo: int = 0
     # Decode items copy K/V with an L2 evict-first policy (their rows are read once in the
     # launch), so that streaming them does not push out the K/V of the batch's prefill
     # requests, which each row tile of a request reads again (docs/notes/l2-hint.md,
@@ -182,8 +189,18 @@ class KernelConfig:
 
     @property
     def io_dim(self) -> int:
-        """The caller's head dim: the columns of q, K, V and out rows."""
+        """The caller's query-key head dim: the columns of q and K rows."""
         return self.head_dim_io or self.head_dim
+
+    @property
+    def vo_dim(self) -> int:
+        """The caller's value head dim: the columns of V and out rows."""
+        return self.head_dim_vo or self.io_dim
+
+    @property
+    def vo_io(self) -> int:
+        """vo_dim where the tile is wider, else 0 (the stores' "every column")."""
+        return 0 if self.vo_dim == self.head_dim else self.vo_dim
 
     @property
     def fp8(self) -> bool:
@@ -297,6 +314,14 @@ class KernelConfig:
                                  or not 0 < self.head_dim_io < self.head_dim):
             return False, (f"head_dim_io {self.head_dim_io} must be a multiple of "
                            f"{HEAD_DIM_STEP} below the tile's head_dim {self.head_dim}")
+        if self.head_dim_vo and (self.head_dim_vo % HEAD_DIM_STEP
+                                 or not 0 < self.head_dim_vo <= self.head_dim
+                                 or self.head_dim_vo == self.io_dim):
+            return False, (f"head_dim_vo {self.head_dim_vo} must be a multiple of "
+                           f"{HEAD_DIM_STEP} up to the tile's head_dim {self.head_dim}, "
+                           f"other than the query-key head dim {self.io_dim}")
+        if self.head_dim_vo and self.fp8:
+            return False, "fp8 KV caches with a value head dim of its own (head_dim_vo)"
         if self.ragged_kv and self.second_cache:
             return False, "one second K/V source: ragged_kv or second_cache, not both"
         if self.shared_prefix and (self.ragged_kv or self.second_cache):
@@ -342,27 +367,44 @@ class KernelConfig:
                arch: str = "sm_90a", *, window: bool = False, softcap: bool = False,
                has_sinks: bool = False, kv_dtype: str = "",
                ragged_kv: bool = False, second_cache: bool = False,
-               shared_prefix: bool = False) -> "KernelConfig":
+               shared_prefix: bool = False, head_dim_vo: int = 0) -> "KernelConfig":
         """The configuration podcute runs for these facts (raises ValueError if none).
         `kv_dtype`: "" for a cache in q's dtype, else its fp8 type (FP8_KV_DTYPES).
         `ragged_kv`, `second_cache`: the same tiling with a second K/V source (no fp8
-        cache); `shared_prefix`: the same tiling, for plans that share prefixes."""
+        cache); `shared_prefix`: the same tiling, for plans that share prefixes.
+        `head_dim_vo`: the value head dim where it differs from `head_dim` (0: the same)."""
         if shared_prefix:
             return KernelConfig.select(
                 dtype, head_dim, group, causal, has_lse, page_size, arch, window=window,
                 softcap=softcap, has_sinks=has_sinks, kv_dtype=kv_dtype,
-                ragged_kv=ragged_kv, second_cache=second_cache,
+                ragged_kv=ragged_kv, second_cache=second_cache, head_dim_vo=head_dim_vo,
             ).with_flags(shared_prefix=True)._checked()
         if ragged_kv or second_cache:
             return KernelConfig.select(
                 dtype, head_dim, group, causal, has_lse, page_size, arch, window=window,
                 softcap=softcap, has_sinks=has_sinks, kv_dtype=kv_dtype,
+                head_dim_vo=head_dim_vo,
             ).with_flags(ragged_kv=ragged_kv, second_cache=second_cache)._checked()
         if arch not in SUPPORTED_ARCHS:
             raise ValueError(f"arch must be one of {SUPPORTED_ARCHS}, got {arch!r}")
-        # The compiled tile; a narrower head dim is the tile's first columns (head_dim_io).
-        tile = tile_head_dim(head_dim)
+        # The compiled tile serves the wider of the query-key and value head dims; a
+        # narrower one is the tile's first columns (head_dim_io, head_dim_vo).
+        vo = head_dim_vo if head_dim_vo and head_dim_vo != head_dim else 0
+        tile = max(tile_head_dim(head_dim), tile_head_dim(vo) if vo else 0)
         io = 0 if head_dim == tile else head_dim
+        if vo:
+            if kv_dtype:
+                raise NotImplementedError(
+                    f"fp8 KV caches with a value head dim other than the query-key head "
+                    f"dim (head_dim_vo {vo}, head_dim {head_dim}) are not supported")
+            if arch in WARP_MMA_ARCHS and tile not in WARP_HEAD_DIMS:
+                raise NotImplementedError(
+                    f"head_dim {head_dim} with head_dim_vo {vo} has no kernel on {arch} (the "
+                    f"warp-level kernel serves head dims up to {max(WARP_HEAD_DIMS)})")
+            return dataclasses.replace(
+                KernelConfig.select(dtype, tile, group, causal, has_lse, page_size, arch,
+                                    window=window, softcap=softcap, has_sinks=has_sinks),
+                head_dim_io=io, head_dim_vo=vo)._checked()
         if arch in WARP_MMA_ARCHS:
             return KernelConfig._select_warp(dtype, tile, group, causal, has_lse, arch,
                                              window, softcap, has_sinks, kv_dtype, io)

@@ -27,7 +27,7 @@ def store_rows(acc_O: cute.Tensor, thr_mma: cute.ThrMma, sO: cute.Tensor, gO: cu
     `row_base + r` (r < n_valid) of the packed-row view `gO`, through the warpgroup's
     own staging tile `sO` (64, D) in out's dtype. Every thread of the warpgroup calls
     it (barriers); `barrier_id` is the warpgroup's own named barrier. `cols`: out's
-    columns where the tile is wider (KernelConfig.head_dim_io; 0: all)."""
+    columns where the tile is wider (KernelConfig.vo_io; 0: all)."""
     dtype = sO.element_type
     elem_bytes = dtype.width // 8
     rows, d = cute.size(sO, mode=[0]), cute.size(sO, mode=[1])

@@ -6,6 +6,7 @@ thread resolves the address of the rows it copies (through `podcute.layouts`) an
 issues 16-byte cp.async copies for its chunks of them.
 """
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -59,6 +60,11 @@ class RowGather:
         tXcX = thr_copy.partition_S(cute.make_identity_tensor((num_rows, head_dim)))
         return RowGather(tiled_copy, thr_copy, tXcX, dtype, head_dim, rolled,
                          head_dim if cols is None else cols, zero_rest)
+
+    def with_cols(self, cols: int) -> "RowGather":
+        """The same gather of rows `cols` columns wide (V rows beside K's, where the
+        value head dim is the caller's own: KernelConfig.head_dim_vo)."""
+        return dataclasses.replace(self, cols=cols)
 
     @property
     def rows_per_thread(self) -> int:

@@ -573,15 +573,18 @@ class PodAttentionSm80(PodKernelBase):
                 load_k: cutlass.Constexpr[bool], load_v: cutlass.Constexpr[bool]):
         """cp.async of the looked-up rows of K and/or V tile n_block into stage `stage`."""
         if const_expr(load_k):
-            self.copy_kv_tile(kv.mK, kv.mK2, kv.sK[None, None, stage], kv, item, n_block)
+            self.copy_kv_tile(kv.mK, kv.mK2, kv.sK[None, None, stage], kv, item, n_block,
+                              self.cfg.io_dim)
         if const_expr(load_v):
-            self.copy_kv_tile(kv.mV, kv.mV2, kv.sV[None, None, stage], kv, item, n_block)
+            self.copy_kv_tile(kv.mV, kv.mV2, kv.sV[None, None, stage], kv, item, n_block,
+                              self.cfg.vo_dim)
 
     @cute.jit
     def copy_kv_tile(self, mKV: cute.Tensor, mKV2: Optional[cute.Tensor],
-                     sX: cute.Tensor, kv: "KvSource", item: WorkItem, n_block: Int32):
-        """One K or V tile from the looked-up rows (of the cache, or of the ragged source
-        for its request)."""
+                     sX: cute.Tensor, kv: "KvSource", item: WorkItem, n_block: Int32,
+                     cols: cutlass.Constexpr[int]):
+        """One K or V tile (rows of `cols` columns) from the looked-up rows (of the cache,
+        or of the ragged source for its request)."""
         second = item.reads_second(self.cfg, kv.mIParams)
 
         def row(m, r):
@@ -589,8 +592,8 @@ class PodAttentionSm80(PodKernelBase):
             return kv.paged.source_row(mKV, mKV2, second, self.cfg.ragged_kv, kv.pages[m],
                                        token, item.kv_head)
 
-        kv.gather.copy_rows(sX, row, l2_evict_first_policy() if const_expr(kv.evict_first)
-                            else None)
+        kv.gather.with_cols(cols).copy_rows(
+            sX, row, l2_evict_first_policy() if const_expr(kv.evict_first) else None)
 
     # ---- scores -----------------------------------------------------------------------
 
@@ -628,4 +631,4 @@ class PodAttentionSm80(PodKernelBase):
                 store_lse(lse, tOcO, gLSE, item.row_start, n_rows, tidx)
             gO = layouts.packed_rows(io.mO, item.q_start, item.q_len, item.kv_head,
                                      self.group)
-            store_fragments(acc_O, tOcO, gO, item.row_start, n_rows, self.cfg.head_dim_io)
+            store_fragments(acc_O, tOcO, gO, item.row_start, n_rows, self.cfg.vo_io)

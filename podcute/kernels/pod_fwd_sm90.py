@@ -406,8 +406,10 @@ class PodAttentionSm90(PodKernelBase):
             barrier_storage=storage.mbar_q.data_ptr(), num_stages=1,
             producer_group=q_loaders, consumer_group=consumers, defer_sync=True,
         )
-        pipeline_k = self._make_kv_pipeline(storage.mbar_k.data_ptr(), producers, consumers)
-        pipeline_v = self._make_kv_pipeline(storage.mbar_v.data_ptr(), producers, consumers)
+        pipeline_k = self._make_kv_pipeline(storage.mbar_k.data_ptr(), producers, consumers,
+                                            self.box_pieces)
+        pipeline_v = self._make_kv_pipeline(storage.mbar_v.data_ptr(), producers, consumers,
+                                            self.box_pieces_v)
         pipeline_k8 = pipeline_v8 = None
         if const_expr(self.fp8):
             pipeline_k8 = self._make_fp8_pipeline(storage.mbar_k8.data_ptr())
@@ -446,12 +448,16 @@ class PodAttentionSm90(PodKernelBase):
             sQ_mma = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner,
                                            dtype=self.mma_dtype)
         smem_tiles = SmemTiles(sQ, sQ_mma, sK, sV, sK8, sV8)
-        if const_expr(self.cfg.head_dim_io):
+        if const_expr(self.cfg.head_dim_io or self.cfg.vo_io):
             # A head dim narrower than the tile: the columns past it are zero once, for
             # the whole launch (no copy writes them), so Q K^T and P V add zeros there.
             every = cute.arch.thread_idx()[0]
-            for sX in (sQ, sK, sV) + ((sK8, sV8) if const_expr(self.fp8) else ()):
-                zero_columns(sX, self.cfg.head_dim_io, every, self.cfg.num_threads)
+            narrow = [(sX, self.cfg.io_dim) for sX in (sQ, sK)] + [(sV, self.cfg.vo_dim)]
+            if const_expr(self.fp8):
+                narrow += [(sK8, self.cfg.io_dim), (sV8, self.cfg.vo_dim)]
+            for sX, cols in narrow:
+                if const_expr(cols < self.head_dim):
+                    zero_columns(sX, cols, every, self.cfg.num_threads)
             cute.arch.fence_view_async_shared()
             cute.arch.sync_threads()
 
@@ -495,7 +501,7 @@ class PodAttentionSm90(PodKernelBase):
         return tuple(cute.make_tensor(cute.recast_ptr(s.data_ptr(), dtype=Int32), words)
                      for s in (storage.sK8, storage.sV8))
 
-    def _make_kv_pipeline(self, barriers, producers, consumers):
+    def _make_kv_pipeline(self, barriers, producers, consumers, pieces: int):
         if const_expr(self.fp8):
             # The 16-bit stages: each filled by one converter group (each thread arrives
             # after its stores and their proxy fence), read by every MMA thread.
@@ -513,7 +519,7 @@ class PodAttentionSm90(PodKernelBase):
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
                 consumer_group=pipeline.CooperativeGroup(
                     pipeline.Agent.Thread, self.num_mma_threads // 32),
-                tx_count=self.tile_n * self.box_pieces * self.box_cols * self.dtype.width // 8,
+                tx_count=self.tile_n * pieces * self.box_cols * self.dtype.width // 8,
                 defer_sync=True,
             )
         return pipeline.PipelineCpAsync.create(
@@ -547,12 +553,20 @@ class PodAttentionSm90(PodKernelBase):
 
     @property
     def box_pieces(self) -> int:
-        """Column blocks a K/V box row is copied in: those holding the caller's columns
+        """Column blocks a K box row is copied in: those holding the caller's columns
         (a block past them stays as zeroed at the start; one partly past them is
         zero-filled by TMA). fp8 boxes take whole rows."""
+        return self.pieces_of(self.cfg.io_dim)
+
+    @property
+    def box_pieces_v(self) -> int:
+        """The same for a V box row (the value head dim's columns)."""
+        return self.pieces_of(self.cfg.vo_dim)
+
+    def pieces_of(self, cols: int) -> int:
         if self.fp8:
             return 1
-        return -(-self.cfg.io_dim // self.box_cols)
+        return -(-cols // self.box_cols)
 
     @property
     def box_cols(self) -> int:
@@ -809,7 +823,6 @@ class PodAttentionSm90(PodKernelBase):
         tiler = (kv_box, self.box_cols)
         tKsK, tKgK = tma_kv_tiles(tma_atom_k, mK, sK, item.kv_head, tiler)
         tVsV, tVgV = tma_kv_tiles(tma_atom_v, mV, sV, item.kv_head, tiler)
-        pieces = self.box_pieces  # column blocks of a box row
         lane = cute.arch.lane_idx()
         # fp8: the warp's lanes look up the boxes of `ahead` tiles at once (lane l: box
         # l % boxes of tile l // boxes of the group), a group ahead: a 64-token fp8 tile
@@ -826,7 +839,8 @@ class PodAttentionSm90(PodKernelBase):
             if n_min < n_max:
                 next_page, next_box = locate(cutlass.min(n_min + lane_tile, n_max - 1))
         tile_page, tile_box = Int32(0), Int32(0)
-        copy_boxes = partial(copy_kv_boxes, boxes=boxes, pieces=pieces, whole_rows=self.fp8,
+        # (pieces: the column blocks of a K or V box row)
+        copy_boxes = partial(copy_kv_boxes, boxes=boxes, whole_rows=self.fp8,
                              l2_policy=l2_policy)
         for n_block in cutlass.range(n_min, n_max, unroll=1):
             if const_expr(self.fp8):
@@ -841,10 +855,12 @@ class PodAttentionSm90(PodKernelBase):
             kv_state = stage(kv_count + n_block - n_min, self.copy_stages, producer=True)
             pipeline_k.producer_acquire(kv_state)
             copy_boxes(tma_atom_k, tKgK, tKsK, tile_page, tile_box, in_group * boxes,
-                       kv_state.index, pipeline_k.producer_get_barrier(kv_state))
+                       kv_state.index, pipeline_k.producer_get_barrier(kv_state),
+                       pieces=self.box_pieces)
             pipeline_v.producer_acquire(kv_state)
             copy_boxes(tma_atom_v, tVgV, tVsV, tile_page, tile_box, in_group * boxes,
-                       kv_state.index, pipeline_v.producer_get_barrier(kv_state))
+                       kv_state.index, pipeline_v.producer_get_barrier(kv_state),
+                       pieces=self.box_pieces_v)
 
     @cute.jit
     def produce_kv_gather(self, mK, mV, paged: PagedKV, kv_gather, sK, sV, sPages,
@@ -888,7 +904,8 @@ class PodAttentionSm90(PodKernelBase):
             cute.arch.cp_async_commit_group()
             pipeline_k.producer_commit(kv_state)
             pipeline_v.producer_acquire(kv_state)
-            kv_gather.copy_rows(sV[None, None, kv_state.index], row_of(mV), l2_policy)
+            kv_gather.with_cols(self.cfg.vo_dim).copy_rows(sV[None, None, kv_state.index],
+                                                           row_of(mV), l2_policy)
             cute.arch.cp_async_commit_group()
             pipeline_v.producer_commit(kv_state)
             # The other buffer was last read for the previous tile, before this tile's
@@ -1500,6 +1517,6 @@ class PodAttentionSm90(PodKernelBase):
                     - self.cfg.num_producer_warpgroups)
             if const_expr(self.cfg.o_staging):
                 store_rows(acc_O, thr_mma_pv, sStage, gO, row_base, n_valid,
-                           Int32(NamedBarrier.WARPGROUP) + wg_u, self.cfg.head_dim_io)
+                           Int32(NamedBarrier.WARPGROUP) + wg_u, self.cfg.vo_io)
             else:
-                store_fragments(acc_O, tOcO, gO, row_base, n_valid, self.cfg.head_dim_io)
+                store_fragments(acc_O, tOcO, gO, row_base, n_valid, self.cfg.vo_io)

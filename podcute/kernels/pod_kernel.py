@@ -149,7 +149,7 @@ class PodKernelBase:
         """After a split piece's partials are written: the group's last piece merges them
         into out (split_merge.finish_split), on the `num_threads` computing threads."""
         if item.split_slot >= 0:
-            finish_split(io, plan, item.split_slot, self.group, self.cfg.io_dim, tidx,
+            finish_split(io, plan, item.split_slot, self.group, self.cfg.vo_dim, tidx,
                          num_threads, barrier_id=NamedBarrier.MMA,
                          merge_rank=item.merge_rank, shared=self.cfg.shared_prefix,
                          splits_in_flight=self.shared_merge_splits

@@ -106,7 +106,7 @@ class Planner(WorkExpansion):
                  max_num_pages: int | None = None, num_sms: int | None = None,
                  cost_model: CostModel = DEFAULT_COST_MODEL, dtype: str = "bfloat16",
                  kv_dtype: str = "", arch: str = "sm_90a",
-                 hbm_bytes_per_sm_clock: float | None = None):
+                 hbm_bytes_per_sm_clock: float | None = None, head_dim_vo: int | None = None):
         if max_num_pages is None:
             max_num_pages = 1 << 20
         for name, v in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
@@ -126,8 +126,9 @@ class Planner(WorkExpansion):
         if page_size not in SUPPORTED_PAGE_SIZES:
             raise ValueError(f"page_size must be one of {SUPPORTED_PAGE_SIZES}, got {page_size}")
         G = num_qo_heads // num_kv_heads
+        head_dim_vo = head_dim if head_dim_vo is None else head_dim_vo
         kernel = KernelConfig.select(dtype, head_dim, G, page_size=page_size,  # names head_dim
-                                     kv_dtype=kv_dtype, arch=arch)
+                                     kv_dtype=kv_dtype, arch=arch, head_dim_vo=head_dim_vo)
         self.device = torch.device(device)
         props = (torch.cuda.get_device_properties(self.device)
                  if self.device.type == "cuda" else None)  # an H200 on a host-only planner
@@ -136,7 +137,8 @@ class Planner(WorkExpansion):
         if hbm_bytes_per_sm_clock is None:
             hbm_bytes_per_sm_clock = ((props is not None and chip_hbm_bytes_per_sm_clock(props))
                                       or H200_HBM_BYTES_PER_SM_CLOCK)
-        self.config = PlanConfig(num_qo_heads, num_kv_heads, G, head_dim, page_size, kernel)
+        self.config = PlanConfig(num_qo_heads, num_kv_heads, G, head_dim, page_size, kernel,
+                                 head_dim_vo)
         self.cost = cost_model.for_kernel(kernel)
         self.num_sms = int(num_sms)
         self.grid = self.num_sms * kernel.ctas_per_sm
@@ -158,7 +160,7 @@ class Planner(WorkExpansion):
         self._share_bounds = sharing.candidate_bounds(self.config.group_size, page_size,
                                                       kernel.tile_m_decode)
         # The K and V bytes of one token, every KV head: what a sharer's plain plan reads.
-        self._token_bytes = 2 * num_kv_heads * head_dim * (1 if kernel.fp8 else 2)
+        self._token_bytes = num_kv_heads * (head_dim + head_dim_vo) * (1 if kernel.fp8 else 2)
         self._allocate(max_batch_size, max_num_tokens, max_num_pages)
         # The work expansion in C (None: no C compiler here, or PODCUTE_PLANNER=numpy).
         self._native = native.load()
