@@ -84,6 +84,7 @@ class Options:
     batch_invariant: bool = False
     head_dim: int | None = None  # None: each workload's own
     heads: tuple | None = None  # (num_qo_heads, num_kv_heads); None: each workload's own
+    head_dim_vo: int | None = None  # a value head dim of its own; None: head_dim's
 
     @property
     def window_size(self) -> tuple:
@@ -104,13 +105,16 @@ class Options:
             out["head_dim"] = self.head_dim
         if self.heads is not None:
             out["heads"] = f"{self.heads[0]}/{self.heads[1]}"
+        if self.head_dim_vo is not None:
+            out["head_dim_vo"] = self.head_dim_vo
         return out
 
     @property
     def changes_attention(self) -> bool:
         """True when the attention computed (or its shape) is not the anchors' one."""
         return (self.window_left >= 0 or bool(self.softcap) or self.sinks
-                or self.head_dim is not None or self.heads is not None)
+                or self.head_dim is not None or self.heads is not None
+                or self.head_dim_vo is not None)
 
     def describe(self) -> str:
         parts = []
@@ -126,17 +130,21 @@ class Options:
             parts.append(f"head_dim={self.head_dim}")
         if self.heads is not None:
             parts.append(f"heads={self.heads[0]}/{self.heads[1]}")
+        if self.head_dim_vo is not None:
+            parts.append(f"head_dim_vo={self.head_dim_vo}")
         return ", ".join(parts) or "none (causal, no window, no soft cap, no sinks)"
 
     def apply(self, w: W.Workload) -> W.Workload:
         """`w` with this run's shape and window (the roofline follows)."""
-        if self.head_dim is None and self.heads is None and self.window_left < 0:
+        if (self.head_dim is None and self.heads is None and self.window_left < 0
+                and self.head_dim_vo is None):
             return w
         if self.window_left >= 0 and not w.causal:
             raise ValueError(f"--window is window_size=(L, 0) with causal; {w.name} is not causal")
         hq, hkv = self.heads if self.heads is not None else (None, None)
         return W.with_overrides(w, head_dim=self.head_dim, num_qo_heads=hq, num_kv_heads=hkv,
-                                window_left=self.window_left if self.window_left >= 0 else None)
+                                window_left=self.window_left if self.window_left >= 0 else None,
+                                head_dim_vo=self.head_dim_vo)
 
     def _mask_kwargs(self) -> dict:
         """The window and soft cap, as podcute, the reference and FA4 all name them."""
@@ -234,6 +242,7 @@ def options_from_args(args) -> Options:
         batch_invariant=bool(getattr(args, "batch_invariant", False)),
         head_dim=getattr(args, "head_dim", None),
         heads=getattr(args, "heads", None),
+        head_dim_vo=getattr(args, "head_dim_vo", None),
     )
 
 
@@ -308,7 +317,7 @@ def run_workload(w: W.Workload, page: int, ctx: Ctx, *, reps: int, warmup: int,
     res = dict(
         name=w.name, kind=w.kind, page_size=page, params=w.params,
         num_qo_heads=w.num_qo_heads, num_kv_heads=w.num_kv_heads, head_dim=w.head_dim,
-        window_left=w.window_left, options=opts.active(),
+        head_dim_vo=w.vo_dim, window_left=w.window_left, options=opts.active(),
         batch_size=w.batch_size, total_q=w.total_q, num_prefill=w.num_prefill,
         flops=W.flops(w), bytes=W.bytes_moved(w),
         roofline_ms=W.roofline_s(w, ceil["matmul_flops_per_s"], ceil["copy_bytes_per_s"]) * 1e3,
@@ -320,7 +329,8 @@ def run_workload(w: W.Workload, page: int, ctx: Ctx, *, reps: int, warmup: int,
     batch = make_batch(w.q_lens, w.kv_lens, num_qo_heads=w.num_qo_heads,
                        num_kv_heads=w.num_kv_heads, head_dim=w.head_dim, page_size=page,
                        dtype=torch.bfloat16, device=ctx.device, kv_layout="NHD",
-                       page_format="table", pool_factor=1.1, garbage=0.0, seed=seed)
+                       page_format="table", pool_factor=1.1, garbage=0.0, seed=seed,
+                       head_dim_vo=w.head_dim_vo)
     if w.params.get("shuffled_from"):
         res["notes"].append(f"requests of {w.params['shuffled_from']} in shuffled order")
     sets = _sets(batch, res["bytes"], ctx.l2_bytes)
@@ -331,15 +341,19 @@ def run_workload(w: W.Workload, page: int, ctx: Ctx, *, reps: int, warmup: int,
     cu, kv, bt = batch.cu_seqlens_q, batch.seqused_k, batch.block_table
     B, np_ = w.batch_size, w.num_prefill
     tp = sum(w.q_lens[:np_]) if w.has_split else None
-    out = torch.empty_like(batch.q)
+    out = torch.empty(w.total_q, w.num_qo_heads, w.vo_dim, dtype=batch.q.dtype,
+                      device=batch.q.device)
 
     fns = {}  # method -> fn(i) that runs on input set i % len(sets)
     run_kw = {} if sinks is None else dict(sinks=sinks)
     if ctx.pod_cls is not None and "fused" in methods:
+        # (head_dim_vo only where set: a base tree's PODAttention may predate it)
+        vo_kw = {} if w.head_dim_vo is None else dict(head_dim_vo=w.head_dim_vo)
+
         def make_pod(b, t):
             return ctx.pod_cls(w.num_qo_heads, w.num_kv_heads, w.head_dim, page,
                                dtype=torch.bfloat16, kv_layout="NHD", device=ctx.device,
-                               max_batch_size=max(b, 1), max_num_tokens=max(t, 1))
+                               max_batch_size=max(b, 1), max_num_tokens=max(t, 1), **vo_kw)
         try:
             att = make_pod(B, w.total_q)
             summary = att.plan(cu, kv, block_table=bt, causal=w.causal, **plan_kw)
@@ -631,6 +645,8 @@ def short_options(active: dict) -> str:
         parts.append("batch-invariant")
     if active.get("heads"):
         parts.append(f"heads {active['heads']}")
+    if active.get("head_dim_vo"):
+        parts.append(f"head_dim_vo {active['head_dim_vo']}")
     return ", ".join(parts)
 
 
@@ -765,6 +781,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override every workload's head_dim (podcute: 64, 96, 128 or 256)")
     g.add_argument("--heads", type=parse_heads, default=None, metavar="HQ/HKV",
                    help="override every workload's num_qo_heads/num_kv_heads (e.g. 64/8)")
+    g.add_argument("--head-dim-vo", type=_head_dim, default=None, metavar="DV",
+                   help="a value head dim of its own (V and out rows), e.g. --head-dim 192 "
+                        "--head-dim-vo 128 (DeepSeek's prefill)")
     return p
 
 

@@ -52,6 +52,13 @@ class Workload:
     # Sliding window: a query at position p sees keys >= p - window_left (FlashAttention's
     # window_size=(window_left, 0) with causal); -1 = unbounded.
     window_left: int = -1
+    # The value head dim (V and out rows) where it differs from head_dim (DeepSeek's
+    # prefill: 192 / 128); None: head_dim.
+    head_dim_vo: int | None = None
+
+    @property
+    def vo_dim(self) -> int:
+        return self.head_dim if self.head_dim_vo is None else self.head_dim_vo
 
     @property
     def batch_size(self) -> int:
@@ -87,9 +94,11 @@ def shuffled(w: Workload, name: str, seed: int = 0) -> Workload:
 
 
 def with_overrides(w: Workload, *, head_dim: int | None = None, num_qo_heads: int | None = None,
-                   num_kv_heads: int | None = None, window_left: int | None = None) -> Workload:
-    """`w` with its head_dim / heads / window replaced (None: keep `w`'s). The lengths,
-    order and name stay, so results of a run with overrides line up with the default's."""
+                   num_kv_heads: int | None = None, window_left: int | None = None,
+                   head_dim_vo: int | None = None) -> Workload:
+    """`w` with its head_dim / heads / window / value head dim replaced (None: keep `w`'s).
+    The lengths, order and name stay, so results of a run with overrides line up with the
+    default's."""
     hq = w.num_qo_heads if num_qo_heads is None else int(num_qo_heads)
     hkv = w.num_kv_heads if num_kv_heads is None else int(num_kv_heads)
     if hq < 1 or hkv < 1 or hq % hkv:
@@ -101,8 +110,9 @@ def with_overrides(w: Workload, *, head_dim: int | None = None, num_qo_heads: in
     left = w.window_left if window_left is None else int(window_left)
     if left < -1:
         raise ValueError(f"window_left must be >= 0 or -1 (unbounded), got {left}")
+    dv = w.head_dim_vo if head_dim_vo is None else int(head_dim_vo)
     return replace(w, head_dim=d, num_qo_heads=hq, num_kv_heads=hkv, window_left=left,
-                   params=dict(w.params))
+                   head_dim_vo=None if dv == d else dv, params=dict(w.params))
 
 
 K = 1024
@@ -185,16 +195,16 @@ def seen_keys(q_len: int, kv_len: int, window_left: int = -1) -> int:
 def flops(w: Workload) -> int:
     pairs = sum(visible_pairs(q, kv, w.causal, w.window_left)
                 for q, kv in zip(w.q_lens, w.kv_lens))
-    return 4 * w.num_qo_heads * w.head_dim * pairs
+    return 2 * w.num_qo_heads * (w.head_dim + w.vo_dim) * pairs  # Q K^T, then P V
 
 
 def bytes_moved(w: Workload, elem_bytes: int = ELEM_BYTES,
                 kv_elem_bytes: int | None = None) -> int:
     """Q and O at `elem_bytes` an element, the K/V each request sees at `kv_elem_bytes`
     (default the same; 1 for an fp8 cache)."""
-    qo = 2 * w.total_q * w.num_qo_heads * w.head_dim
+    qo = w.total_q * w.num_qo_heads * (w.head_dim + w.vo_dim)
     keys = sum(seen_keys(q, kv, w.window_left) for q, kv in zip(w.q_lens, w.kv_lens))
-    kv = 2 * keys * w.num_kv_heads * w.head_dim
+    kv = keys * w.num_kv_heads * (w.head_dim + w.vo_dim)
     return qo * elem_bytes + kv * (elem_bytes if kv_elem_bytes is None else kv_elem_bytes)
 
 

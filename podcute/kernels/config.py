@@ -198,6 +198,23 @@ class KernelConfig:
         return self.head_dim_vo or self.io_dim
 
     @property
+    def pv_cols(self) -> int:
+        """Columns of O the P V GEMM computes: the tile's, or on a wide tile (D 256, direct
+        O stores) with a narrower value head dim the 64-column blocks that hold it (192 /
+        128: 128, half the MMAs and half the O accumulator). Narrower tiles keep the whole
+        width (their O staging and combine are laid out for it; the MMAs saved are few)."""
+        if (self.head_dim_vo and not self.o_staging and self.arch not in WARP_MMA_ARCHS):
+            return min(self.head_dim, -(-self.vo_dim // 64) * 64)
+        return self.head_dim
+
+    @property
+    def qk_blocks(self) -> int:
+        """k16 blocks of the sm_90a S GEMM that hold the caller's query-key columns (the
+        rest are zero in both operands: skipped). The warp-level kernel runs them all:
+        skipped there, its 128-row variant at D 72 spilled 4 bytes."""
+        return -(-self.io_dim // 16)
+
+    @property
     def vo_io(self) -> int:
         """vo_dim where the tile is wider, else 0 (the stores' "every column")."""
         return 0 if self.vo_dim == self.head_dim else self.vo_dim

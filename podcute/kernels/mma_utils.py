@@ -80,13 +80,16 @@ def warpgroup_gemm(
     tCrA: cute.Tensor,
     tCrB: cute.Tensor,
     zero_init: cutlass.Constexpr[bool],
+    k_blocks: cutlass.Constexpr[int] = 0,
 ):
-    """Issue acc (+)= A @ B as wgmma over the K blocks, then commit (caller waits)."""
+    """Issue acc (+)= A @ B as wgmma over the K blocks (the first `k_blocks`, where the
+    rest hold zeros in both operands; 0: all), then commit (caller waits)."""
     warpgroup.fence()
     # A fresh atom per call: reusing one after .set() breaks SSA dominance in the DSL.
     mma_atom = cute.make_mma_atom(tiled_mma.op)
     mma_atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-    for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
+    num_k = cute.size(tCrA.shape[2])
+    for k in cutlass.range_constexpr(min(num_k, k_blocks) if k_blocks else num_k):
         cute.gemm(mma_atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
         mma_atom.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()

@@ -189,13 +189,14 @@ class WarpgroupGemms:
     acc_shape_S: tuple
     rP: cute.Tensor
     tOrP: cute.Tensor
+    qk_blocks: int  # k16 blocks of Q K^T holding the caller's columns (KernelConfig)
 
     @cute.jit
     def qk(self, k_state: pipeline.PipelineState) -> cute.Tensor:
         """Issue S = Q K^T on K stage `k_state` (asynchronous; the caller waits)."""
         acc_S = cute.make_rmem_tensor(self.acc_shape_S, Float32)
         warpgroup_gemm(self.tiled_mma_qk, acc_S, self.tSrQ,
-                       self.tSrK[None, None, None, k_state.index], True)
+                       self.tSrK[None, None, None, k_state.index], True, self.qk_blocks)
         return acc_S
 
     @cute.jit
@@ -300,7 +301,7 @@ class PodAttentionSm90(PodKernelBase):
 
     def _tiled_mmas(self):
         """One warpgroup's MMAs (each MMA warpgroup partitions its own 64-row slice)."""
-        tile_n, d = self.tile_n, self.head_dim
+        tile_n, d = self.tile_n, self.cfg.pv_cols
         q_source = (warpgroup.OperandSource.RMEM if self.cfg.q_in_registers
                     else warpgroup.OperandSource.SMEM)
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
@@ -940,8 +941,10 @@ class PodAttentionSm90(PodKernelBase):
         wg = cute.arch.make_warp_uniform(mma_tidx // WARPGROUP_THREADS)
         tidx = mma_tidx % WARPGROUP_THREADS
         acc_shape_S = tiled_mma_qk.get_slice(tidx).partition_shape_C((WG_ROWS, tile_n))
+        # (O's columns: the tile's, or the value head dim's blocks, KernelConfig.pv_cols)
         acc_O = cute.make_rmem_tensor(
-            tiled_mma_pv.get_slice(tidx).partition_shape_C((WG_ROWS, d)), Float32)
+            tiled_mma_pv.get_slice(tidx).partition_shape_C((WG_ROWS, self.cfg.pv_cols)),
+            Float32)
         # Soft-capped raw scores are tanh values whose logits are softcap x them.
         softmax = OnlineSoftmax.create(
             cute.size(rows_cols_view(acc_O), mode=[0]), plan.mParams[self.logit_param] * LOG2_E
@@ -1040,14 +1043,17 @@ class PodAttentionSm90(PodKernelBase):
         thr_mma_qk = tiled_mma_qk.get_slice(tidx)
         thr_mma_pv = tiled_mma_pv.get_slice(tidx)
         tScS = thr_mma_qk.partition_C(cute.make_identity_tensor((WG_ROWS, tile_n)))
-        tOcO = thr_mma_pv.partition_C(cute.make_identity_tensor((WG_ROWS, d)))
+        pv_cols = self.cfg.pv_cols
+        tOcO = thr_mma_pv.partition_C(cute.make_identity_tensor((WG_ROWS, pv_cols)))
         # The GEMMs' shared-memory operands (descriptors made here, per item, rather than
         # held through the item loop, which the warp-level decode path shares).
         # This warpgroup's 64 rows of Q (a decode item's rows sit in both halves).
         sQ_wg = cute.local_tile(smem.sQ, (WG_ROWS, d), (wg, 0))
-        # V^T view (D, tile_n) of the row-major V tile: the MN-major B operand of P @ V.
+        # V^T view (pv_cols, tile_n) of the row-major (tile_n, D) V tile, its first pv_cols
+        # columns: the MN-major B operand of P @ V.
         sVt = cute.composition(
-            smem.sV, cute.make_ordered_layout((d, tile_n, self.num_stages), order=(1, 0, 2))
+            smem.sV, cute.make_layout((pv_cols, tile_n, self.num_stages),
+                                      stride=(tile_n, 1, d * tile_n))
         )
         if const_expr(self.cfg.q_in_registers):
             tSrQ = cute.make_rmem_tensor(thr_mma_qk.partition_shape_A((WG_ROWS, d)),
@@ -1097,7 +1103,7 @@ class PodAttentionSm90(PodKernelBase):
                              mask_until=mask_until, mParams=plan.mParams, mKScale=io.mKScale,
                              kv_head=item.kv_head, tanh_scale=tanh_scale)
         gemms = WarpgroupGemms(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_shape_S, rP,
-                               tOrP)
+                               tOrP, self.cfg.qk_blocks)
         if decode != 0:
             self.mainloop_decode(gemms, acc_O, item_softmax, row_scale, score_tile, smem.sV,
                                   pipes, q_state, kv_count, n_min, n_max, item.kv_end,
