@@ -168,3 +168,25 @@ def test_reference_value_columns_are_independent():
 def pod_attention_reference_of(b, v_cache):
     from podcute.reference import pod_attention_reference
     return pod_attention_reference(b.q, b.k_cache, v_cache, return_lse=True, **b.kwargs())
+
+
+def test_cost_model_counts_the_columns_the_kernel_works_on():
+    """The planner's unit costs: the tile's width twice for a tile's own head dim (the
+    plans of those are unchanged), the MMA columns sm_90a runs (k-blocks of Q K^T, the
+    value blocks of P V) and the caller's bytes otherwise."""
+    from podcute.planning.cost import DEFAULT_COST_MODEL, PrefillTiling
+
+    def us(d, dv=0, arch="sm_90a"):
+        k = KernelConfig.select("bfloat16", d, 4, page_size=16, arch=arch, head_dim_vo=dv)
+        return PrefillTiling.make(DEFAULT_COST_MODEL.for_kernel(k), k).us
+
+    full = us(256)
+    vo = us(192, 128)
+    assert vo[0] == pytest.approx(full[0] * (192 + 128) / 512)  # per KV token of prefill
+    assert vo[1] == pytest.approx(full[1] * (192 + 128) / 512)  # K + V bytes of a token
+    assert us(80)[0] == pytest.approx(us(96)[0] * (80 + 96) / 192)  # 5 of 6 k-blocks
+    assert us(80, arch="sm_80")[0] == us(96, arch="sm_80")[0]  # every k-block there
+    for d in (64, 96, 128):
+        k = KernelConfig.select("bfloat16", d, 4, page_size=16)
+        c = DEFAULT_COST_MODEL
+        assert us(d)[0] == 4.0 * d * k.tile_m_prefill * k.tile_n / c.mma_flops_per_us() / k.tile_n

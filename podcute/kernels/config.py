@@ -215,6 +215,14 @@ class KernelConfig:
         return -(-self.io_dim // 16)
 
     @property
+    def mma_cols(self) -> tuple[int, int]:
+        """Columns of MMA work a key: (Q K^T's, P V's). The tile's on the warp-level
+        kernel; sm_90a skips zero k-blocks and narrows P V (qk_blocks, pv_cols)."""
+        if self.arch in WARP_MMA_ARCHS:
+            return self.head_dim, self.head_dim
+        return 16 * self.qk_blocks, self.pv_cols
+
+    @property
     def vo_io(self) -> int:
         """vo_dim where the tile is wider, else 0 (the stores' "every column")."""
         return 0 if self.vo_dim == self.head_dim else self.vo_dim

@@ -106,11 +106,16 @@ class PrefillTiling:
 
     @staticmethod
     def make(c: CostModel, kernel) -> "PrefillTiling":
-        D, tn = kernel.head_dim, kernel.tile_n
-        us_tile = 4.0 * D * kernel.tile_m_prefill * tn / c.mma_flops_per_us()
+        tn = kernel.tile_n
+        # MMA columns a key (Q K^T, P V) and the caller's columns of a K + V token and a
+        # Q + O row: the tile's head dim twice, but for head dims between the tiles and a
+        # value head dim of its own (KernelConfig.mma_cols, io_dim, vo_dim).
+        mma_qk, mma_pv = kernel.mma_cols
+        cols = kernel.io_dim + kernel.vo_dim
+        us_tile = 2.0 * (mma_qk + mma_pv) * kernel.tile_m_prefill * tn / c.mma_flops_per_us()
         kv_bytes = 1 if kernel.fp8 else c.elem_bytes  # an fp8 cache streams half the bytes
-        us_tok = 2.0 * D * kv_bytes / c.hbm_bytes_per_us()
-        us_row = 2.0 * D * c.elem_bytes / c.hbm_bytes_per_us()
+        us_tok = cols * kv_bytes / c.hbm_bytes_per_us()
+        us_row = cols * c.elem_bytes / c.hbm_bytes_per_us()
         min_tiles = (max(1, math.ceil(c.min_chunk_us / us_tile)),
                      max(1, math.ceil(c.min_chunk_us / (us_tok * tn))))
         return PrefillTiling(
