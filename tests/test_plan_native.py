@@ -115,7 +115,8 @@ def _first_pages_repeat(page_src, q_len, kvl, max_q, min_kv):
 
 class _FirstTestBatch:
     """A random decode-heavy batch for sharing's first test on a 16/4/64 page-16 planner
-    whose calls to sharing.detect are recorded in `calls` (detect itself not run)."""
+    whose searches for a prefix tree (Planner._detect_sharing: native.c's podcute_detect
+    or sharing.detect) are recorded in `calls` (the search itself not run)."""
 
     width = 40
 
@@ -126,7 +127,8 @@ class _FirstTestBatch:
         self.max_q, self.min_kv = sharing.candidate_bounds(
             4, 16, self.planner.config.kernel.tile_m_decode)
         self.calls = []
-        monkeypatch.setattr(sharing, "detect", lambda *a, **k: self.calls.append(1))
+        monkeypatch.setattr(self.planner, "_detect_sharing",
+                            lambda *a, **k: self.calls.append(1))
         B = self.B = int(rng.integers(min_batch, 300))
         self.q_len = rng.integers(0, self.max_q + 2, B).astype(np.int64)
         self.kvl = self.q_len + rng.integers(0, 600, B)
@@ -220,3 +222,59 @@ def test_sharing_pays_test_in_the_expansion(seed, monkeypatch):
                 assert bool(calls) == want, (min_reads, dtype, src[0])
                 searched += want
     assert searched  # (the batches reach the search at some thresholds)
+
+
+def _random_shared_pages(seed: int):
+    """detect()'s arguments for a random batch whose requests share chunks of pages in
+    random nests (a table or CSR, int32 or int64 pages; windows, thresholds, tile room)."""
+    rng, R = random.Random(seed), np.random.default_rng(seed)
+    ps, B = rng.choice([1, 2, 16]), rng.randint(1, 60)
+    chunks = [list(R.integers(0, 50, size=rng.randint(1, 40)))
+              for _ in range(rng.randint(1, 6))]
+    lists, q, kv = [], [], []
+    for _ in range(B):
+        pg = []
+        for c in rng.sample(range(len(chunks)), rng.randint(0, len(chunks))):
+            pg += chunks[c]
+            if rng.random() < 0.5:
+                break
+        pg += list(R.integers(0, rng.choice([60, 10**6]), size=rng.randint(0, 30)))
+        ql = rng.choice([1, 1, 1, 2, 3, 4, 40])
+        kvl = max(ql, len(pg) * ps - rng.randint(0, ps - 1) if pg else ql)
+        n = -(-kvl // ps)
+        lists.append((pg + list(R.integers(0, 10**6, size=max(0, n - len(pg)))))[:n])
+        q.append(ql)
+        kv.append(kvl)
+    dt = rng.choice([np.int32, np.int64])
+    if rng.random() < 0.5:
+        t = np.full((B, max(1, max(map(len, lists))) + rng.randint(0, 3)), 7, dtype=dt)
+        for i, pages in enumerate(lists):
+            t[i, :len(pages)] = pages
+        src = ("table", t, t.shape[1])
+    else:
+        ind = np.concatenate([np.array(p, dtype=dt) for p in lists] + [np.zeros(0, dt)])
+        ptr = np.zeros(B + 1, np.int64)
+        ptr[1:] = np.cumsum([len(p) for p in lists])
+        src = ("csr", ind, ptr)
+    return (src, np.array(q, np.int64), np.array(kv, np.int64), rng.choice([1, 4, 8]), ps,
+            64, rng.choice([64, 128]), rng.choice([2, 1000]), rng.choice([20, 100000]),
+            rng.choice([-1, -1, 40, 400]), rng.choice([0, 0, 0, 300, 3000]))
+
+
+def test_detect_in_c_is_numpy_detect():
+    """native.c's podcute_detect finds the same tree, nodes, tiles and levels as
+    sharing.detect, array for array, on 1500 random nests of shared pages (its rows sorted
+    as numpy sorts their bytes)."""
+    nb = plan_native.load()
+    found = 0
+    for seed in range(1500):
+        args = _random_shared_pages(seed)
+        want, got = sharing.detect(*args), nb.detect(*args)
+        assert (want is None) == (got is None), seed
+        if want is None:
+            continue
+        found += 1
+        for f in sharing.Sharing.__dataclass_fields__:
+            a, b = getattr(want, f), getattr(got, f)
+            assert (np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b), (seed, f)
+    assert found > 50

@@ -656,3 +656,294 @@ done:
     return rc;
 }
 
+
+/* ---- sharing.detect in C ---------------------------------------------------------------
+ * The batch's shared prefixes (planning/sharing.py, detect): the same tree, nodes, tiles and
+ * levels, in the same order, so that the plans are byte for byte numpy's
+ * (tests/test_plan_native.py compares the two). Rows are sorted as numpy sorts their bytes
+ * (a stable sort by memcmp of the little-endian int64 rows). Returns 1 (outputs written),
+ * 0 (nothing shared), 2 (cap_tiles / cap_levels too small: n_tiles and n_levels say what
+ * is needed) or -1 (out of memory, or pages C does not read: numpy decides). */
+typedef struct {
+    int64_t B;
+    const int64_t *q_len, *kv_len;
+    const void *pages;      /* a block table (indptr NULL) or CSR indices, 4- or 8-byte ints */
+    const int64_t *indptr;
+    int64_t elem_bytes, row_stride;
+    int64_t group, page_size, max_q, min_kv, tile_rows, max_tiles, max_tokens, window_left,
+        min_reads, min_tokens;
+    /* outputs: [B] depth; [participants] participants, home, row_off, levels_ptr (+1);
+     * [cap_tiles] tile_first, tile_count, tile_lo, tile_hi, tile_rank0; [cap_levels]
+     * levels_tile, levels_row */
+    int64_t *depth, *participants, *home, *row_off, *levels_ptr;
+    int64_t *tile_first, *tile_count, *tile_lo, *tile_hi, *tile_rank0, *levels_tile, *levels_row;
+    int64_t cap_tiles, cap_levels;
+    int64_t n_participants, n_tiles, n_levels, num_nodes, shared_tokens, saved_tokens;
+} DetectIO;
+
+/* Sort rows [lo, hi) of `srt` (indices into the m x width matrix P) as numpy sorts their
+ * bytes: lexicographically by column, a column's int64 compared by its little-endian
+ * bytes (memcmp: the byte-swapped value as unsigned), stable. Column by column (MSD): a
+ * range whose rows agree on a column moves on to the next without sorting, so rows
+ * sharing a long prefix cost one read a page (a comparison sort re-read the prefix in
+ * every comparison: 3.7 MB of memcmp for S1's 128 x 528 pages). Each boundary between
+ * sorted neighbours gets their LCP (the column they first differ at, or width). */
+typedef struct { uint64_t k; int64_t i; } KeyIdx;
+
+static int sort_rows(const int64_t *P, int64_t width, int64_t *srt, int64_t m, int64_t *lcp,
+                     Arena *ar) {
+    int64_t *st = take(ar, (size_t)3 * (m + 1) * sizeof *st), ns = 0;
+    KeyIdx *a = take(ar, (size_t)m * sizeof *a), *b = take(ar, (size_t)m * sizeof *b);
+    if (!st || !a || !b) return -1;
+    st[0] = 0; st[1] = m; st[2] = 0; ns = 1;
+    while (ns) {
+        ns--;
+        int64_t lo = st[3 * ns], hi = st[3 * ns + 1], col = st[3 * ns + 2], n = hi - lo;
+        if (n < 2) continue;
+        /* the first column some row differs from the range's first row at: memcmp over the
+         * rows' common part, then the exact column only in a row that differs */
+        const int64_t *f = P + srt[lo] * width;
+        int64_t split = width;
+        for (int64_t r = lo + 1; r < hi && split > col; r++) {
+            const int64_t *x = P + srt[r] * width;
+            if (memcmp(x + col, f + col, (size_t)(split - col) * 8) == 0) continue;
+            int64_t j = col;
+            while (x[j] == f[j]) j++;
+            split = j;
+        }
+        col = split;
+        if (col == width) {
+            for (int64_t r = lo; r + 1 < hi; r++) lcp[r] = width;
+            continue;
+        }
+        for (int64_t r = 0; r < n; r++) {
+            a[r].k = __builtin_bswap64((uint64_t)P[srt[lo + r] * width + col]);
+            a[r].i = srt[lo + r];
+        }
+        for (int64_t w = 1; w < n; w *= 2) { /* bottom-up merge sort: stable */
+            for (int64_t x0 = 0; x0 < n; x0 += 2 * w) {
+                int64_t mid = imin(x0 + w, n), end = imin(x0 + 2 * w, n), x = x0, y = mid, o = x0;
+                while (x < mid && y < end) b[o++] = a[y].k < a[x].k ? a[y++] : a[x++];
+                while (x < mid) b[o++] = a[x++];
+                while (y < end) b[o++] = a[y++];
+            }
+            KeyIdx *t = a; a = b; b = t;
+        }
+        int64_t run = 0;
+        for (int64_t r = 0; r < n; r++) {
+            srt[lo + r] = a[r].i;
+            if (r + 1 == n || a[r + 1].k != a[r].k) {
+                if (r + 1 < n) lcp[lo + r] = col;
+                st[3 * ns] = lo + run; st[3 * ns + 1] = lo + r + 1; st[3 * ns + 2] = col + 1;
+                ns++;
+                run = r + 1;
+            }
+        }
+    }
+    return 0;
+}
+
+static int cmp_pair(const void *a, const void *b) {
+    const int64_t *x = a, *y = b;
+    return x[0] != y[0] ? (x[0] < y[0] ? -1 : 1) : (x[1] < y[1] ? -1 : x[1] > y[1]);
+}
+
+/* intervals by first row, then the wider first */
+static int cmp_interval(const void *a, const void *b) {
+    const int64_t *x = a, *y = b;
+    if (x[0] != y[0]) return x[0] < y[0] ? -1 : 1;
+    return x[1] > y[1] ? -1 : x[1] < y[1];
+}
+
+int podcute_detect(DetectIO *io) {
+    const int64_t B = io->B, ps = io->page_size, *q_len = io->q_len, *kvl = io->kv_len;
+    Arena ar = {NULL, 0, 0, 0, {0}, 0};
+    int rc = 0;
+#define PG(b, j)                                                                            \
+    (io->elem_bytes == 4                                                                    \
+         ? (int64_t)((const int32_t *)io->pages)[(io->indptr ? io->indptr[b] : (b) * io->row_stride) + (j)] \
+         : ((const int64_t *)io->pages)[(io->indptr ? io->indptr[b] : (b) * io->row_stride) + (j)])
+    int64_t *cand = NEW(int64_t, B + 1), *first = NEW(int64_t, B + 1), *order = NEW(int64_t, B + 1);
+    CHECK(cand && first && order);
+    int64_t nc = 0;
+    for (int64_t b = 0; b < B; b++)
+        if (q_len[b] <= io->max_q && kvl[b] - q_len[b] >= io->min_kv && q_len[b] > 0)
+            cand[nc++] = b;
+    if (nc < 2) goto done;
+    for (int64_t c = 0; c < nc; c++) first[c] = PG(cand[c], 0);
+    CHECK(argsort_i64(&ar, first, nc, order) == 0);
+    int64_t *gid = NEW(int64_t, nc), *gsize = NEW(int64_t, nc);
+    CHECK(gid && gsize);
+    gid[0] = 0;
+    for (int64_t k = 1; k < nc; k++) gid[k] = gid[k - 1] + (first[order[k]] != first[order[k - 1]]);
+    if (gid[nc - 1] == nc - 1) goto done; /* no first page repeats */
+    for (int64_t k = 0; k < nc; k++) gsize[k] = 0;
+    for (int64_t k = 0; k < nc; k++) gsize[gid[k]]++;
+    /* sharing._may_pay: two of a group hold the same page at the column a paying node of
+     * the group reaches */
+    if (io->min_reads > 0) {
+        int64_t *pairs = NEW(int64_t, 2 * nc), np_ = 0;
+        CHECK(pairs);
+        for (int64_t k = 0; k < nc; k++) {
+            int64_t g = gsize[gid[k]], b = cand[order[k]];
+            if (g < 2) continue;
+            int64_t col = (io->min_reads + g * ps - 1) / (g * ps) - 1;
+            if ((kvl[b] - q_len[b]) / ps <= col) continue;
+            pairs[2 * np_] = gid[k];
+            pairs[2 * np_ + 1] = PG(b, col);
+            np_++;
+        }
+        int pays = 0;
+        if (np_ >= 2) {
+            qsort(pairs, (size_t)np_, 2 * sizeof(int64_t), cmp_pair);
+            for (int64_t k = 1; k < np_ && !pays; k++)
+                pays = pairs[2 * k] == pairs[2 * k - 2] && pairs[2 * k + 1] == pairs[2 * k - 1];
+        }
+        if (!pays) goto done;
+    }
+    /* the candidates of groups of two or more, in request order */
+    uint8_t *keep = NEW(uint8_t, nc);
+    CHECK(keep);
+    memset(keep, 0, (size_t)nc);
+    for (int64_t k = 0; k < nc; k++) if (gsize[gid[k]] > 1) keep[order[k]] = 1;
+    int64_t m = 0, width = 0;
+    for (int64_t c = 0; c < nc; c++)
+        if (keep[c]) {
+            cand[m++] = cand[c];
+            width = imax(width, (kvl[cand[m - 1]] - q_len[cand[m - 1]]) / ps);
+        }
+    /* page rows, padded past each request's shareable pages with -1 - i */
+    int64_t *P = NEW(int64_t, m * width), *srt = NEW(int64_t, m);
+    CHECK(P && srt);
+    for (int64_t i = 0; i < m; i++) {
+        int64_t b = cand[i], np_ = (kvl[b] - q_len[b]) / ps, *row = P + i * width;
+        int64_t at = io->indptr ? io->indptr[b] : b * io->row_stride;
+        if (io->elem_bytes == 4) {
+            const int32_t *src = (const int32_t *)io->pages + at;
+            for (int64_t j = 0; j < np_; j++) row[j] = src[j];
+        } else {
+            memcpy(row, (const int64_t *)io->pages + at, (size_t)np_ * 8);
+        }
+        for (int64_t j = np_; j < width; j++) row[j] = -1 - i;
+        srt[i] = i;
+    }
+    /* the sorted rows with the LCPs of neighbours; then the LCP intervals (first row,
+     * last row, h) */
+    int64_t *lcp = NEW(int64_t, m), *stack_h = NEW(int64_t, m + 1), *stack_l = NEW(int64_t, m + 1);
+    int64_t *iv = NEW(int64_t, 3 * m), ni = 0, ns = 1;
+    CHECK(lcp && stack_h && stack_l && iv);
+    CHECK(sort_rows(P, width, srt, m, lcp, &ar) == 0);
+    lcp[m - 1] = 0;
+    stack_h[0] = 0; stack_l[0] = 0;
+    for (int64_t i = 0; i < m; i++) {
+        int64_t lv = lcp[i], left = i;
+        while (stack_h[ns - 1] > lv) {
+            ns--;
+            iv[3 * ni] = stack_l[ns]; iv[3 * ni + 1] = i; iv[3 * ni + 2] = stack_h[ns];
+            ni++;
+            left = stack_l[ns];
+        }
+        if (stack_h[ns - 1] < lv) { stack_h[ns] = lv; stack_l[ns] = left; ns++; }
+    }
+    if (ni == 0) goto done;
+    qsort(iv, (size_t)ni, 3 * sizeof(int64_t), cmp_interval);
+    /* nodes: (first row, last row, base, h) */
+    int64_t *nodes = NEW(int64_t, 4 * ni), nn = 0, *open_b = NEW(int64_t, ni), *open_d = NEW(int64_t, ni), no = 0;
+    CHECK(nodes && open_b && open_d);
+    for (int64_t k = 0; k < ni; k++) {
+        int64_t a = iv[3 * k], b = iv[3 * k + 1], h = iv[3 * k + 2];
+        while (no && open_b[no - 1] < a) no--;
+        int64_t base = no ? open_d[no - 1] : 0, run = (h - base) * ps;
+        int kept = run >= io->min_tokens && (b - a + 1) * run >= io->min_reads;
+        if (kept && io->window_left >= 0) {
+            int64_t kv_max = 0;
+            for (int64_t r = a; r <= b; r++) kv_max = imax(kv_max, kvl[cand[srt[r]]]);
+            kept = kv_max - 1 - io->window_left <= base * ps
+                   && (h - base) * ps + io->tile_rows / io->group - 2 <= io->window_left;
+        }
+        if (kept) {
+            nodes[4 * nn] = a; nodes[4 * nn + 1] = b; nodes[4 * nn + 2] = base; nodes[4 * nn + 3] = h;
+            nn++;
+        }
+        open_b[no] = b; open_d[no] = kept ? h : base; no++;
+    }
+    if (nn == 0) goto done;
+    /* participants: the sorted rows inside a node, in sorted order */
+    int64_t *inside = NEW(int64_t, m + 1), *rank_of = NEW(int64_t, m);
+    CHECK(inside && rank_of);
+    memset(inside, 0, (size_t)(m + 1) * sizeof *inside);
+    for (int64_t k = 0; k < nn; k++) { inside[nodes[4 * k]]++; inside[nodes[4 * k + 1] + 1]--; }
+    int64_t np_ = 0, run_in = 0;
+    for (int64_t r = 0; r < m; r++) {
+        run_in += inside[r];
+        rank_of[r] = run_in > 0 ? np_++ : -1;
+    }
+    int64_t *part = NEW(int64_t, np_);
+    CHECK(part);
+    for (int64_t r = 0; r < m; r++) if (rank_of[r] >= 0) part[rank_of[r]] = cand[srt[r]];
+    /* tiles: each node's sharers cut into runs of at most tile_rows rows; levels in node
+     * order (rank, tile, row) */
+    int64_t n_lv = 0;
+    for (int64_t k = 0; k < nn; k++) n_lv += rank_of[nodes[4 * k + 1]] - rank_of[nodes[4 * k]] + 1;
+    int64_t *lv_rank = NEW(int64_t, n_lv), *lv_tile = NEW(int64_t, n_lv), *lv_row = NEW(int64_t, n_lv);
+    int64_t *t_first = NEW(int64_t, n_lv), *t_count = NEW(int64_t, n_lv), *t_lo = NEW(int64_t, n_lv),
+            *t_hi = NEW(int64_t, n_lv);
+    CHECK(lv_rank && lv_tile && lv_row && t_first && t_count && t_lo && t_hi);
+    int64_t nt = 0, nl = 0, tokens = 0, shared = 0, saved = 0;
+    for (int64_t k = 0; k < nn; k++) {
+        int64_t r0 = rank_of[nodes[4 * k]], r1 = rank_of[nodes[4 * k + 1]] + 1;
+        int64_t lo = nodes[4 * k + 2], hi = nodes[4 * k + 3], used = 0;
+        shared += hi - lo;
+        saved += (hi - lo) * (r1 - r0 - 1);
+        t_first[nt] = r0; t_lo[nt] = lo; t_hi[nt] = hi; nt++;
+        for (int64_t r = r0; r < r1; r++) {
+            int64_t rows = q_len[part[r]] * io->group;
+            if (used + rows > io->tile_rows) {
+                t_count[nt - 1] = r - t_first[nt - 1];
+                t_first[nt] = r; t_lo[nt] = lo; t_hi[nt] = hi; nt++;
+                used = 0;
+            }
+            lv_rank[nl] = r; lv_tile[nl] = nt - 1; lv_row[nl] = used; nl++;
+            used += rows;
+            tokens += q_len[part[r]];
+        }
+        t_count[nt - 1] = r1 - t_first[nt - 1];
+    }
+    if (nt > io->max_tiles || tokens > io->max_tokens) goto done;
+    io->n_participants = np_; io->n_tiles = nt; io->n_levels = nl;
+    if (nt > io->cap_tiles || nl > io->cap_levels || np_ > B) { rc = 2; goto done; }
+    /* levels by sharer (a stable counting sort: each sharer's levels stay outer first) */
+    int64_t *lp = io->levels_ptr;
+    for (int64_t r = 0; r <= np_; r++) lp[r] = 0;
+    for (int64_t l = 0; l < nl; l++) lp[lv_rank[l] + 1]++;
+    for (int64_t r = 0; r < np_; r++) lp[r + 1] += lp[r];
+    int64_t *fill = NEW(int64_t, np_);
+    CHECK(fill);
+    for (int64_t r = 0; r < np_; r++) fill[r] = lp[r];
+    for (int64_t l = 0; l < nl; l++) {
+        int64_t at = fill[lv_rank[l]]++;
+        io->levels_tile[at] = lv_tile[l];
+        io->levels_row[at] = lv_row[l];
+    }
+    for (int64_t t = 0; t < nt; t++) {
+        io->tile_first[t] = t_first[t]; io->tile_count[t] = t_count[t];
+        io->tile_lo[t] = t_lo[t]; io->tile_hi[t] = t_hi[t]; io->tile_rank0[t] = -1;
+    }
+    for (int64_t b = 0; b < B; b++) io->depth[b] = 0;
+    for (int64_t r = 0; r < np_; r++) {
+        int64_t last = lp[r + 1] - 1, t = io->levels_tile[last];
+        io->participants[r] = part[r];
+        io->home[r] = t;
+        io->row_off[r] = io->levels_row[last];
+        if (io->tile_rank0[t] < 0) io->tile_rank0[t] = r;
+        io->depth[part[r]] = t_hi[t];
+    }
+    io->num_nodes = nn;
+    io->shared_tokens = shared * ps;
+    io->saved_tokens = saved * ps;
+    rc = 1;
+#undef PG
+done:
+    release(&ar);
+    return rc;
+}

@@ -61,6 +61,29 @@ class _PlanIO(ctypes.Structure):
     ]
 
 
+class _DetectIO(ctypes.Structure):
+    """DetectIO of native.c, field for field."""
+
+    _fields_ = [
+        ("B", _I64), ("q_len", _P), ("kv_len", _P), ("pages", _P), ("indptr", _P),
+        ("elem_bytes", _I64), ("row_stride", _I64),
+        ("group", _I64), ("page_size", _I64), ("max_q", _I64), ("min_kv", _I64),
+        ("tile_rows", _I64), ("max_tiles", _I64), ("max_tokens", _I64),
+        ("window_left", _I64), ("min_reads", _I64), ("min_tokens", _I64),
+        ("depth", _P), ("participants", _P), ("home", _P), ("row_off", _P),
+        ("levels_ptr", _P), ("tile_first", _P), ("tile_count", _P), ("tile_lo", _P),
+        ("tile_hi", _P), ("tile_rank0", _P), ("levels_tile", _P), ("levels_row", _P),
+        ("cap_tiles", _I64), ("cap_levels", _I64),
+        ("n_participants", _I64), ("n_tiles", _I64), ("n_levels", _I64), ("num_nodes", _I64),
+        ("shared_tokens", _I64), ("saved_tokens", _I64),
+    ]
+
+
+# DetectIO's output pointers, in the order of NativeBuilder.detect's one buffer
+_DETECT_OUT = ("depth", "participants", "home", "row_off", "levels_ptr", "tile_first",
+               "tile_count", "tile_lo", "tile_hi", "tile_rank0", "levels_tile", "levels_row")
+
+
 def _addr(a: np.ndarray) -> int:
     return a.__array_interface__["data"][0]
 
@@ -122,6 +145,61 @@ class NativeBuilder:
         self._fn = lib.podcute_build
         self._fn.argtypes = [ctypes.c_void_p]
         self._fn.restype = ctypes.c_int
+        self._detect = lib.podcute_detect
+        self._detect.argtypes = [ctypes.c_void_p]
+        self._detect.restype = ctypes.c_int
+
+    def detect(self, page_src, q_len: np.ndarray, kvl: np.ndarray, group: int,
+               page_size: int, decode_rows: int, tile_rows: int, max_tiles: int,
+               max_tokens: int, window_left: int = -1, min_reads: int = 0):
+        """sharing.detect in C: the same Sharing (or None), or NotImplemented where C
+        does not read the pages (another dtype, gaps in a row) or ran out of memory."""
+        from podcute.planning import sharing
+
+        B = int(q_len.size)
+        view = _page_view(page_src)
+        if view is None or B == 0:
+            return NotImplemented if B else None
+        io = _DetectIO()
+        io.pages, io.elem_bytes, io.row_stride, io.indptr = view
+        q = np.ascontiguousarray(q_len, dtype=np.int64)
+        kv = np.ascontiguousarray(kvl, dtype=np.int64)
+        io.B, io.q_len, io.kv_len = B, _addr(q), _addr(kv)
+        io.max_q, io.min_kv = sharing.candidate_bounds(group, page_size, decode_rows)
+        io.group, io.page_size, io.tile_rows = group, page_size, tile_rows
+        io.max_tiles, io.max_tokens, io.window_left = max_tiles, max_tokens, window_left
+        io.min_reads, io.min_tokens = min_reads, sharing.MIN_SHARED_TOKENS
+        cap_t, cap_l = 2 * B, 4 * B
+        for _ in range(2):
+            # one buffer for every output (one address: each costs ~1 us from numpy):
+            # per request depth, participants, home, row_off, levels_ptr; per tile first,
+            # count, lo, hi, rank0; per level tile, row
+            out = np.empty(5 * (B + 1) + 5 * cap_t + 2 * cap_l, dtype=np.int64)
+            at = _addr(out)
+            for k, name in enumerate(_DETECT_OUT):
+                setattr(io, name, at + 8 * (k * (B + 1) if k < 5 else
+                                            5 * (B + 1) + ((k - 5) * cap_t if k < 10 else
+                                                           5 * cap_t + (k - 10) * cap_l)))
+            io.cap_tiles, io.cap_levels = cap_t, cap_l
+            rc = self._detect(ctypes.byref(io))
+            if rc != 2:
+                break
+            cap_t, cap_l = io.n_tiles, io.n_levels
+        if rc == 0:
+            return None
+        if rc != 1:
+            return NotImplemented
+        per_req = out[:5 * (B + 1)].reshape(5, B + 1)
+        tiles = out[5 * (B + 1): 5 * (B + 1) + 5 * cap_t].reshape(5, cap_t)
+        levels = out[5 * (B + 1) + 5 * cap_t:].reshape(2, cap_l)
+        P, U, L = io.n_participants, io.n_tiles, io.n_levels
+        return sharing.Sharing(
+            participants=per_req[1, :P], depth=per_req[0, :B],
+            tile_first=tiles[0, :U], tile_count=tiles[1, :U], tile_lo=tiles[2, :U],
+            tile_hi=tiles[3, :U], home=per_req[2, :P], row_off=per_req[3, :P],
+            tile_rank0=tiles[4, :U], levels_ptr=per_req[4, :P + 1],
+            levels_tile=levels[0, :L], levels_row=levels[1, :L], num_nodes=io.num_nodes,
+            shared_tokens=io.shared_tokens, saved_tokens=io.saved_tokens)
 
     def build(self, planner, q_len: np.ndarray, kvl: np.ndarray, options, share_test=None):
         """(the batch's Layout (the rows written to the planner's staging buffers), or
@@ -166,26 +244,34 @@ class NativeBuilder:
                       order), first_repeat
 
 
-def _share_pages(io, share_test):
-    """Set sharing's first test's fields of `io` but its pages; return their address, or
-    None (not asked) where C cannot read them: pages of another dtype or with gaps in
-    a row."""
-    (fmt, pages, arg), max_q, min_kv, min_reads, page_size = share_test
+def _page_view(page_src):
+    """(pages' address, element bytes, row stride (table), indptr's address (CSR)) of a
+    page source C can read, else None: pages of another dtype or with gaps in a row."""
+    fmt, pages, arg = page_src
     size = pages.dtype.itemsize
     if pages.dtype.kind != "i" or size not in (4, 8):
         return None
     if fmt == "table":
         if pages.ndim != 2 or pages.strides[1] != size or pages.strides[0] % size:
             return None
-        io.share_row_stride, io.share_indptr = pages.strides[0] // size, None
-    else:
-        if (pages.ndim != 1 or pages.strides[0] != size or arg.dtype != np.int64
-                or not arg.flags.c_contiguous):
-            return None
-        io.share_indptr = _addr(arg)
-    io.share_max_q, io.share_min_kv, io.share_elem_bytes = max_q, min_kv, size
+        return _addr(pages), size, pages.strides[0] // size, None
+    if (pages.ndim != 1 or pages.strides[0] != size or arg.dtype != np.int64
+            or not arg.flags.c_contiguous):
+        return None
+    return _addr(pages), size, 0, _addr(arg)
+
+
+def _share_pages(io, share_test):
+    """Set sharing's first test's fields of `io` but its pages; return their address, or
+    None (not asked) where C cannot read them (`_page_view`)."""
+    page_src, max_q, min_kv, min_reads, page_size = share_test
+    view = _page_view(page_src)
+    if view is None:
+        return None
+    addr, io.share_elem_bytes, io.share_row_stride, io.share_indptr = view
+    io.share_max_q, io.share_min_kv = max_q, min_kv
     io.share_min_reads, io.share_page_size = min_reads, page_size
-    return _addr(pages)
+    return addr
 
 
 # The C side writes rows by these column numbers (native.c's enums).

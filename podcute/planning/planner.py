@@ -449,9 +449,14 @@ class Planner(WorkExpansion):
         cfg, sc = self.config, self._share_cap
         # (tiles no taller than the shortest prefill tile a batch may get: each is then one
         # row tile of the expansion, whatever tiling _choose_tiling picks)
-        return sharing.detect(page_src, q_len, kvl, cfg.group_size, cfg.page_size,
-                              cfg.kernel.tile_m_decode, self._tilings[-1].tile_m,
-                              sc["tiles"], sc["tokens"], options.window_left, min_reads)
+        args = (page_src, q_len, kvl, cfg.group_size, cfg.page_size, cfg.kernel.tile_m_decode,
+                self._tilings[-1].tile_m, sc["tiles"], sc["tokens"], options.window_left,
+                min_reads)
+        if self._native is not None:  # (the same Sharing in C: native.c, podcute_detect)
+            found = self._native.detect(*args)
+            if found is not NotImplemented:
+                return found
+        return sharing.detect(*args)
 
     def _grow_share_room(self, need: dict) -> bool:
         """Room for a sharing plan's split slots and terms (twice what it needs); False when
