@@ -278,3 +278,38 @@ def test_detect_in_c_is_numpy_detect():
             a, b = getattr(want, f), getattr(got, f)
             assert (np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b), (seed, f)
     assert found > 50
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_native_and_numpy_sharing_plans_agree(seed, monkeypatch):
+    """Plans that share prefixes (detection and rewrite in C: native.c podcute_detect and
+    podcute_rewrite) are byte for byte numpy's: work rows, merges with their feed and
+    term columns, slot lists, the shared token-and-term list, on random nests of sharers
+    (tables and CSR, speculative rows, windows)."""
+    from podcute.testing import make_shared_prefix_batch
+
+    monkeypatch.setattr(Planner, "share_min_read_bytes", 0)
+    rng = random.Random(seed)
+    shared = 0
+    for trial in range(6):
+        hq, hkv, d = rng.choice([(32, 8, 128), (8, 2, 64), (16, 16, 128), (8, 1, 64)])
+        page, fmt = rng.choice([16, 32]), rng.choice(["table", "csr"])
+        native, ref = _pair(hq, hkv, d, page, rng.choice([132, 61]), "sm_90a", 512)
+        b = make_shared_prefix_batch(rng, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d,
+                                     page_size=page, page_format=fmt,
+                                     num_groups=rng.randint(1, 4), sharers=(2, rng.randint(2, 70)))
+        kw = (dict(block_table=b.block_table) if fmt == "table"
+              else dict(kv_indptr=b.kv_indptr, kv_indices=b.kv_indices))
+        opts = dict(causal=rng.random() < 0.8)
+        if rng.random() < 0.3:
+            opts["window_size"] = (rng.choice([700, 4096, 100000]), 0)
+        what = f"seed {seed} trial {trial} {hq}/{hkv}/{d} page {page} {fmt} {opts}"
+        a = native.plan(b.cu_seqlens_q, b.seqused_k, **kw, **opts)
+        r = ref.plan(b.cu_seqlens_q, b.seqused_k, **kw, **opts)
+        _assert_same(a, r, what)
+        assert a.shares == r.shares, what
+        if a.summary.num_shared_prefixes:
+            shared += 1
+            n = native._segs["shared"][1]
+            assert np.array_equal(native._h["shared"][:n], ref._h["shared"][:n]), what
+    assert shared

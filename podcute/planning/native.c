@@ -947,3 +947,151 @@ done:
     release(&ar);
     return rc;
 }
+
+/* ---- sharing.rewrite in C --------------------------------------------------------------
+ * The expansion's work rows, merges and slot list of an augmented batch rewritten in place
+ * for its shared prefixes (planning/sharing.py, rewrite: the same writes in the same
+ * places), and the terms written as (slot, row) pairs at `terms`. Returns 1 (done), 2 (a
+ * capacity would be exceeded: need_* say what the plan needs), -1 (out of memory) or -3
+ * (a row or rank field past SHARE_FIELD_MASK: numpy's assertion). */
+typedef struct {
+    /* the Sharing (int64): [P] participants, home, row_off, p_rows (packed rows),
+     * levels_ptr (P + 1); [U] tile_first, tile_count, tile_rank0; [L] levels_tile,
+     * levels_row */
+    int64_t P, U, L;
+    const int64_t *participants, *home, *row_off, *p_rows, *levels_ptr, *tile_first,
+        *tile_count, *tile_rank0, *levels_tile, *levels_row;
+    /* the plan (int32, row-major) */
+    int32_t *work, *merge, *slot_merge, *terms;
+    int64_t n, num_merge, num_slots, B, Hkv, terms_base, cap_merges, cap_slots, cap_terms;
+    int64_t own_bit, row_shift, rank_shift, field_mask;
+    int64_t total_merge, total_slots, n_terms; /* out (also what is needed, rc 2) */
+} RewriteIO;
+
+int podcute_rewrite(RewriteIO *io) {
+    Arena ar = {NULL, 0, 0, 0, {0}, 0};
+    int rc = 0;
+    const int64_t n = io->n, B = io->B, Hkv = io->Hkv, P = io->P, U = io->U, L = io->L;
+    const int64_t num_merge = io->num_merge, num_slots = io->num_slots;
+    int32_t *wk = io->work, *mg = io->merge, *sm = io->slot_merge;
+#define W(i, c) wk[(i) * WORK_COLS + (c)]
+#define M(i, c) mg[(i) * MERGE_COLS + (c)]
+    int64_t *rank_of = NEW(int64_t, B + 1), *local = NEW(int64_t, n + 1);
+    int64_t *feed = NEW(int64_t, U * Hkv + 1), *g_first = NEW(int64_t, U * Hkv + 1),
+            *g_pieces = NEW(int64_t, U * Hkv + 1), *block = NEW(int64_t, U + 1),
+            *block_first = NEW(int64_t, U + 1);
+    CHECK(rank_of && local && feed && g_first && g_pieces && block && block_first);
+    for (int64_t b = 0; b <= B; b++) rank_of[b] = -1;
+    for (int64_t r = 0; r < P; r++) rank_of[io->participants[r]] = r;
+    for (int64_t g = 0; g < U * Hkv; g++) { feed[g] = -1; g_first[g] = 0; g_pieces[g] = 0; }
+    for (int64_t u = 0; u < U; u++) block[u] = 0;
+    const int64_t sharer_base = num_merge, new_merge = num_merge + P * Hkv;
+    int64_t n_feed = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t slot = W(i, SPLIT_SLOT), req = W(i, REQ);
+        local[i] = slot >= 0 ? slot - M(sm[slot], M_FIRST_SLOT) : 0;
+        if (req > B) { /* a tile piece: its group (tile, head) */
+            int64_t g = (req - B - 1) / 2 * Hkv + W(i, KV_HEAD);
+            if (slot >= 0) {
+                int64_t mm = sm[slot];
+                feed[g] = mm;
+                g_first[g] = M(mm, M_FIRST_SLOT);
+                g_pieces[g] = M(mm, M_NUM_SPLITS);
+            } else {
+                feed[g] = new_merge + n_feed;
+                g_first[g] = num_slots + n_feed; /* its new slot */
+                g_pieces[g] = 1;
+                n_feed++;
+            }
+        } else if (rank_of[req] >= 0) {
+            int64_t u = io->home[rank_of[req]];
+            block[u] = imax(block[u], local[i] + 1);
+        }
+    }
+    const int64_t total_merge = new_merge + n_feed, s = num_slots + n_feed;
+    block_first[0] = 0;
+    for (int64_t u = 0; u < U; u++) block_first[u + 1] = block_first[u] + block[u];
+    const int64_t total_slots = s + block_first[U] * Hkv;
+#define OWN_SLOT0(h, u) (s + block_first[u] + block_first[U] * (h))
+    int64_t n_terms = 0;
+    for (int64_t h = 0; h < Hkv; h++)
+        for (int64_t l = 0; l < L; l++) n_terms += g_pieces[io->levels_tile[l] * Hkv + h];
+    io->total_merge = total_merge; io->total_slots = total_slots; io->n_terms = n_terms;
+    if (total_merge > io->cap_merges || total_slots > io->cap_slots || n_terms > io->cap_terms) {
+        rc = 2;
+        goto done;
+    }
+    /* tile pieces left unsplit: a slot each, and a feed row as their merge */
+    int64_t k = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t req = W(i, REQ);
+        if (req <= B || W(i, SPLIT_SLOT) >= 0) continue;
+        int64_t g = (req - B - 1) / 2 * Hkv + W(i, KV_HEAD), slot = num_slots + k;
+        int32_t *fr = mg + (new_merge + k) * MERGE_COLS;
+        W(i, SPLIT_SLOT) = (int32_t)slot;
+        sm[slot] = (int32_t)feed[g];
+        for (int c = 0; c < MERGE_COLS; c++) fr[c] = 0;
+        fr[M_REQ] = (int32_t)req; fr[M_KV_HEAD] = W(i, KV_HEAD);
+        fr[M_ROW_START] = W(i, ROW_START); fr[M_ROW_END] = W(i, ROW_END);
+        fr[M_FIRST_SLOT] = (int32_t)slot; fr[M_NUM_SPLITS] = 1;
+        k++;
+    }
+    /* every feed row: the sharers' merges of its tile and head */
+    for (int64_t g = 0; g < U * Hkv; g++) {
+        if (feed[g] < 0) continue;
+        int64_t u = g / Hkv, h = g % Hkv;
+        M(feed[g], M_FEED_FIRST) = (int32_t)(sharer_base + h * P + io->tile_first[u]);
+        M(feed[g], M_FEED_COUNT) = (int32_t)io->tile_count[u];
+    }
+    /* sharer merges, zeroed (their own-piece counts below) */
+    for (int64_t h = 0; h < Hkv; h++)
+        for (int64_t r = 0; r < P; r++) {
+            int32_t *row = mg + (sharer_base + h * P + r) * MERGE_COLS;
+            for (int c = 0; c < MERGE_COLS; c++) row[c] = 0;
+            row[M_REQ] = (int32_t)io->participants[r]; row[M_KV_HEAD] = (int32_t)h;
+            row[M_ROW_END] = (int32_t)io->p_rows[r];
+            row[M_FIRST_SLOT] = (int32_t)OWN_SLOT0(h, io->home[r]);
+            row[M_OWN_ROW] = (int32_t)io->row_off[r];
+        }
+    /* own pieces: into their home tile's block, at their row */
+    for (int64_t i = 0; i < n; i++) {
+        int64_t req = W(i, REQ);
+        if (req > B || rank_of[req] < 0) continue;
+        int64_t r = rank_of[req], h = W(i, KV_HEAD), u = io->home[r];
+        int64_t slot = OWN_SLOT0(h, u) + local[i], first_home = io->tile_rank0[u];
+        if (io->row_off[r] > io->field_mask || r - first_home > io->field_mask) {
+            rc = -3;
+            goto done;
+        }
+        W(i, SPLIT_SLOT) = (int32_t)slot;
+        W(i, KIND) |= (int32_t)(((int64_t)1 << io->own_bit) | (io->row_off[r] << io->row_shift)
+                                | ((r - first_home) << io->rank_shift));
+        sm[slot] = (int32_t)(sharer_base + h * P + first_home);
+        M(sharer_base + h * P + r, M_NUM_SPLITS)++;
+    }
+    /* terms in (head, sharer, level, piece) order */
+    int64_t t = 0;
+    for (int64_t h = 0; h < Hkv; h++)
+        for (int64_t r = 0; r < P; r++) {
+            int32_t *row = mg + (sharer_base + h * P + r) * MERGE_COLS;
+            int64_t t0 = t;
+            for (int64_t l = io->levels_ptr[r]; l < io->levels_ptr[r + 1]; l++) {
+                int64_t g = io->levels_tile[l] * Hkv + h;
+                for (int64_t p = 0; p < g_pieces[g]; p++) {
+                    io->terms[2 * t] = (int32_t)(g_first[g] + p);
+                    io->terms[2 * t + 1] = (int32_t)io->levels_row[l];
+                    t++;
+                }
+            }
+            row[M_TERMS_FIRST] = (int32_t)(io->terms_base + 2 * t0);
+            row[M_TERMS_COUNT] = (int32_t)(t - t0);
+            row[M_WAIT] = row[M_NUM_SPLITS] + (int32_t)(t - t0);
+        }
+    rc = 1;
+#undef W
+#undef M
+#undef OWN_SLOT0
+done:
+    release(&ar);
+    return rc;
+}

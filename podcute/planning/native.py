@@ -26,7 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
-from podcute.kernels.metadata import MERGE_COLS, WORK_COLS, Kind, MergeCol, WorkCol
+from podcute.kernels.metadata import (MERGE_COLS, SHARE_FIELD_MASK, SHARE_OWN_BIT,
+                                      SHARE_RANK_SHIFT, SHARE_ROW_SHIFT, WORK_COLS, Kind,
+                                      MergeCol, WorkCol)
 from podcute.planning.types import INVARIANT_SPLIT_TOKENS, Layout
 
 _SOURCE = Path(__file__).with_name("native.c")
@@ -76,6 +78,22 @@ class _DetectIO(ctypes.Structure):
         ("cap_tiles", _I64), ("cap_levels", _I64),
         ("n_participants", _I64), ("n_tiles", _I64), ("n_levels", _I64), ("num_nodes", _I64),
         ("shared_tokens", _I64), ("saved_tokens", _I64),
+    ]
+
+
+class _RewriteIO(ctypes.Structure):
+    """RewriteIO of native.c, field for field."""
+
+    _fields_ = [
+        ("P", _I64), ("U", _I64), ("L", _I64),
+        ("participants", _P), ("home", _P), ("row_off", _P), ("p_rows", _P),
+        ("levels_ptr", _P), ("tile_first", _P), ("tile_count", _P), ("tile_rank0", _P),
+        ("levels_tile", _P), ("levels_row", _P),
+        ("work", _P), ("merge", _P), ("slot_merge", _P), ("terms", _P),
+        ("n", _I64), ("num_merge", _I64), ("num_slots", _I64), ("B", _I64), ("Hkv", _I64),
+        ("terms_base", _I64), ("cap_merges", _I64), ("cap_slots", _I64), ("cap_terms", _I64),
+        ("own_bit", _I64), ("row_shift", _I64), ("rank_shift", _I64), ("field_mask", _I64),
+        ("total_merge", _I64), ("total_slots", _I64), ("n_terms", _I64),
     ]
 
 
@@ -146,8 +164,47 @@ class NativeBuilder:
         self._fn.argtypes = [ctypes.c_void_p]
         self._fn.restype = ctypes.c_int
         self._detect = lib.podcute_detect
-        self._detect.argtypes = [ctypes.c_void_p]
-        self._detect.restype = ctypes.c_int
+        self._rewrite = lib.podcute_rewrite
+        for fn in (self._detect, self._rewrite):
+            fn.argtypes = [ctypes.c_void_p]
+            fn.restype = ctypes.c_int
+
+    def rewrite(self, sh, work: np.ndarray, merge: np.ndarray, slot_merge: np.ndarray,
+                shared: np.ndarray, n: int, num_merge: int, num_slots: int, B: int,
+                num_kv_heads: int, p_rows: np.ndarray, terms_base: int, cap_merges: int,
+                cap_slots: int, cap_terms: int):
+        """sharing.rewrite in C, its terms written into `shared` from `terms_base`: (merges,
+        slots, terms) of the rewritten plan, a dict of what it needs when the buffers
+        cannot hold it (as rewrite's), or NotImplemented (buffers C does not write, out
+        of memory)."""
+        plan = (work, merge, slot_merge, shared)
+        if any(a.dtype != np.int32 or not a.flags.c_contiguous for a in plan):
+            return NotImplemented
+        io = _RewriteIO()
+        keep = []  # (the int64 arrays C reads stay alive through the call)
+        for name in ("participants", "home", "row_off", "levels_ptr", "tile_first",
+                     "tile_count", "tile_rank0", "levels_tile", "levels_row"):
+            a = np.ascontiguousarray(getattr(sh, name), dtype=np.int64)
+            keep.append(a)
+            setattr(io, name, _addr(a))
+        rows = np.ascontiguousarray(p_rows, dtype=np.int64)
+        io.p_rows = _addr(rows)
+        io.P, io.U, io.L = sh.participants.size, sh.num_tiles, sh.levels_tile.size
+        io.work, io.merge, io.slot_merge = _addr(work), _addr(merge), _addr(slot_merge)
+        io.terms = _addr(shared) + 4 * terms_base
+        io.n, io.num_merge, io.num_slots, io.B, io.Hkv = n, num_merge, num_slots, B, num_kv_heads
+        io.terms_base, io.cap_merges, io.cap_slots, io.cap_terms = (terms_base, cap_merges,
+                                                                    cap_slots, cap_terms)
+        io.own_bit, io.row_shift = SHARE_OWN_BIT, SHARE_ROW_SHIFT
+        io.rank_shift, io.field_mask = SHARE_RANK_SHIFT, SHARE_FIELD_MASK
+        rc = self._rewrite(ctypes.byref(io))
+        if rc == -3:
+            raise AssertionError("a sharer's row or rank past SHARE_FIELD_MASK")
+        if rc == 2:
+            return dict(merges=io.total_merge, slots=io.total_slots, terms=io.n_terms)
+        if rc != 1:
+            return NotImplemented
+        return io.total_merge, io.total_slots, io.n_terms
 
     def detect(self, page_src, q_len: np.ndarray, kvl: np.ndarray, group: int,
                page_size: int, decode_rows: int, tile_rows: int, max_tiles: int,

@@ -570,11 +570,21 @@ class Planner(WorkExpansion):
         if share is not None:
             sc = self._share_cap
             n_tok = share_tokens.size
-            out = sharing.rewrite(
-                share, hs["work"], hs["merge"], hs["slot_merge"], lay.n, num_merge, num_slots,
-                B, self.config.num_kv_heads, q_len[share.participants] * self.config.group_size,
-                n_tok, self.capacity.merges + sc["merges"], self.capacity.slots + sc["slots"],
-                sc["terms"])
+            args = (hs["work"], hs["merge"], hs["slot_merge"])
+            rest = (lay.n, num_merge, num_slots, B, self.config.num_kv_heads,
+                    q_len[share.participants] * self.config.group_size, n_tok,
+                    self.capacity.merges + sc["merges"], self.capacity.slots + sc["slots"],
+                    sc["terms"])
+            shared_list = hs["shared"]
+            out = NotImplemented
+            if self._native is not None:  # (C writes the terms into the list itself)
+                out = self._native.rewrite(share, *args, shared_list, *rest)
+            if out is NotImplemented:
+                out = sharing.rewrite(share, *args, *rest)
+                if not isinstance(out, dict):
+                    num_merge, num_slots, terms = out
+                    shared_list[n_tok: n_tok + terms.size] = terms.reshape(-1)
+                    out = num_merge, num_slots, terms.shape[0]
             if isinstance(out, dict):
                 # no room: grow it (before a capture) and plan again, else plan this
                 # batch without sharing
@@ -582,10 +592,8 @@ class Planner(WorkExpansion):
                     share = None
                 return self._build(cu, q_len, kvl, used, options, sm_scale, total_q, page_src,
                                    num_entries, second_cache_requests, share)
-            num_merge, num_slots, terms = out
-            shared_list = hs["shared"]
+            num_merge, num_slots, n_terms = out
             shared_list[:n_tok] = share_tokens
-            shared_list[n_tok: n_tok + terms.size] = terms.reshape(-1)
         # The pages only now: a batch-invariant layout may regrow the buffers
         # (_grow_splits), and pages staged before it would stay in the old ones while the
         # kernel read the new, zeroed list.
@@ -616,7 +624,7 @@ class Planner(WorkExpansion):
             self._meta[:end_off].copy_(self._staging_t[:end_off], non_blocking=True)
             if share is not None:
                 s0 = self._segs["shared"][0]
-                s1 = s0 + n_tok + terms.size
+                s1 = s0 + n_tok + 2 * n_terms
                 self._meta[s0:s1].copy_(self._staging_t[s0:s1], non_blocking=True)
             if num_entries:
                 self._page_list[:num_entries].copy_(self._page_staging_t[:num_entries],
