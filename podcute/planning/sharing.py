@@ -307,8 +307,9 @@ def augment(sh: Sharing, q_len, kvl, page_start, cu, page_size: int):
     # tokens of each tile: its sharers' tokens in rank order
     p = sh.participants
     tok_counts = q_len[sh.participants]
-    t_tok = np.array([int(tok_counts[f: f + c].sum()) for f, c in
-                      zip(sh.tile_first, sh.tile_count)], dtype=np.int64)
+    tok_before = np.zeros(tok_counts.size + 1, dtype=np.int64)
+    np.cumsum(tok_counts, out=tok_before[1:])
+    t_tok = tok_before[sh.tile_first + sh.tile_count] - tok_before[sh.tile_first]
     vi = B + 1 + 2 * np.arange(U)
     q2[vi] = t_tok
     run = (sh.tile_hi - sh.tile_lo) * page_size
