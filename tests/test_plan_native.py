@@ -8,6 +8,7 @@ import random
 import numpy as np
 import pytest
 
+from podcute.kernels.metadata import MergeCol
 from podcute.planning import native as plan_native
 from podcute.planning import sharing
 from podcute.planning import H100_HBM_BYTES_PER_SM_CLOCK, Planner
@@ -313,3 +314,30 @@ def test_native_and_numpy_sharing_plans_agree(seed, monkeypatch):
             n = native._segs["shared"][1]
             assert np.array_equal(native._h["shared"][:n], ref._h["shared"][:n]), what
     assert shared
+
+
+def test_a_plan_after_a_sharing_plan_is_the_same(monkeypatch):
+    """After a plan that shared, the planner looks for sharing before expanding (skipping
+    the plain expansion that answers the first test): every plan of a sequence of sharing
+    and non-sharing batches equals a fresh planner's plan of the same batch."""
+    from podcute.testing import make_shared_prefix_batch
+
+    monkeypatch.setattr(Planner, "share_min_read_bytes", 0)
+    rng = random.Random(5)
+    kw = dict(device="cpu", max_batch_size=512, max_num_tokens=8192)
+    steady = Planner(32, 8, 128, 16, **kw)
+    for trial in range(16):
+        b = make_shared_prefix_batch(rng, num_qo_heads=32, num_kv_heads=8, head_dim=128,
+                                     page_size=16, num_groups=rng.randint(1, 3))
+        if trial % 3 == 2:  # a batch that shares nothing between sharing ones
+            b = make_shared_prefix_batch(rng, num_qo_heads=32, num_kv_heads=8, head_dim=128,
+                                         page_size=16, sharers=(1, 1))
+        args = (b.cu_seqlens_q, b.seqused_k)
+        a = steady.plan(*args, block_table=b.block_table)
+        fresh = Planner(32, 8, 128, 16, **kw).plan(*args, block_table=b.block_table)
+        assert a.shares == fresh.shares
+        if not a.shares:  # (the plain variant reads no merge column past NUM_SPLITS,
+            # which a plain plan after a sharing one leaves as that plan wrote them)
+            for p in (a, fresh):
+                p.merge[:, MergeCol.OWN_ROW:] = 0
+        _assert_same(a, fresh, f"trial {trial}")

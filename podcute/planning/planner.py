@@ -155,6 +155,7 @@ class Planner(WorkExpansion):
         self._share_slots = 16 * num_kv_heads
         self._share_terms = 16 * num_kv_heads * max_batch_size
         self._captured_shares = None
+        self._last_shared = False  # the last plan shared: the next looks first (_build)
         self._kernel_shares = dataclasses.replace(kernel, shared_prefix=True).can_implement()[0]
         # (max q_len, min kv_len - q_len) of requests that may share: sharing's first test
         self._share_bounds = sharing.candidate_bounds(self.config.group_size, page_size,
@@ -545,6 +546,13 @@ class Planner(WorkExpansion):
         self._sync_staging()
         B = q_len.size
         q_x, kv_x = q_len, kvl
+        if share is None and detect is not None and self._last_shared:
+            # The last plan shared (a serving loop's shared prompt): look first, and skip
+            # the plain expansion that only answers the first test. (The same plan: the
+            # augmented batch's expansion does not depend on it.)
+            share = self._detect_sharing(page_src, q_len, kvl, options, detect)
+            detect = None  # (looked: found, or nothing pays)
+        self._last_shared = share is not None
         if share is not None:
             # The augmented batch: sharers' own suffixes, then the prefix tiles.
             q_x, kv_x, kv_kernel, ps_x, qs_x, share_tokens = sharing.augment(
