@@ -1,8 +1,9 @@
 /* The planner's work expansion (Planner._layout_numpy in expand.py), in C: the same groups,
- * pre-split pieces, cost stream, cuts, CTA lists, split slots and merges. This file and
- * expand.py must stay bit-identical: the same floating-point operations in the same order,
- * so a change to either needs the same change in the other (tests/test_plan_native.py
- * compares them). Built on first use by native.py
+ * pre-split pieces, cost stream, cuts, CTA lists, split slots and merges; and shared-prefix
+ * detection and rewrite (sharing.detect, sharing.rewrite: podcute_detect, podcute_rewrite
+ * at the end). This file and its numpy twins must stay bit-identical: the same
+ * floating-point operations in the same order, so a change to either needs the same change
+ * in the other (tests/test_plan_native.py compares them). Built on first use by native.py
  * (cc -O2 -ffp-contract=off: no fused multiply-adds, which numpy does not use either).
  * All arrays are caller-owned; returns 0, 1 (a capacity would be exceeded: the numpy path
  * handles it) or -1 (out of memory). */

@@ -1,8 +1,10 @@
 """The planner's work expansion in C (`native.c`): the same plan as
 `Planner._layout_numpy` (expand.py), bit for bit, without numpy's per-call overhead (a plan
 of one decode costs ~100 numpy calls there; in C the expansion is a few microseconds at any
-size). The two must stay bit-identical, so a change to either needs the same change, with
-the same floating-point operations in the same order, in the other.
+size), and shared-prefix detection and rewrite (`sharing.detect` / `sharing.rewrite`:
+`NativeBuilder.detect` / `.rewrite`). The two must stay bit-identical, so a change to
+either needs the same change, with the same floating-point operations in the same order,
+in the other.
 
 Built on first use with the system's C compiler (``$CC`` or ``cc``) into the kernel cache
 root (``$PODCUTE_CACHE_DIR`` or ``~/.cache/podcute``), keyed by the source's hash, and
