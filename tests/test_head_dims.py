@@ -190,3 +190,18 @@ def test_cost_model_counts_the_columns_the_kernel_works_on():
         k = KernelConfig.select("bfloat16", d, 4, page_size=16)
         c = DEFAULT_COST_MODEL
         assert us(d)[0] == 4.0 * d * k.tile_m_prefill * k.tile_n / c.mma_flops_per_us() / k.tile_n
+
+
+def test_compile_ahead_takes_value_head_dims():
+    """`python -m podcute compile --head-dims 192:128` builds the value-head-dim variants
+    (every page class, causal or not, LSE or not) where the arch has the tile."""
+    from podcute.__main__ import main
+    from podcute.compile import shipped_variants
+
+    keys = shipped_variants("sm_90a", head_dims=((192, 128), 128), groups=(4,))
+    dims = {(k.config.head_dim, k.config.io_dim, k.config.vo_dim) for k in keys}
+    assert dims == {(256, 192, 128), (128, 128, 128)} and len(keys) == 24
+    assert not shipped_variants("sm_80", head_dims=((192, 128),), groups=(4,))
+    assert {k.config.vo_dim for k in shipped_variants("sm_80", head_dims=((128, 64),),
+                                                      groups=(4,))} == {64}
+    assert main(["compile", "--head-dims", "192:x"]) == 2  # a malformed pair: usage error
