@@ -234,7 +234,7 @@ class PODAttention:
             vs, vp = v_cache.stride(), v_cache.data_ptr()
             Hq, D = self._q_tail
             a, b, c = self._cache_tail
-            Dv = cv = D if self._vo is None else self._vo
+            Dv = D if self._vo is None else self._vo
             vn = v_cache.shape
             m = self._kv_stride_mask  # 16-byte rows
             if (len(qn) != 3 or qn[1] != Hq or qn[2] != D or qs[2] != 1
@@ -243,7 +243,7 @@ class PODAttention:
                     or len(kn) != 4 or kn[1] != a or kn[2] != b or kn[3] != c
                     or (vn != kn if self._vo is None else (
                         len(vn) != 4 or vn[0] != kn[0] or vn[1] != a or vn[2] != b
-                        or vn[3] != cv))
+                        or vn[3] != Dv))
                     or ks[3] != 1 or vs[3] != 1
                     or (ks[0] | ks[1] | ks[2] | vs[0] | vs[1] | vs[2]) & m or (kp | vp) & 15
                     or not plan.pages_within(kn[0])):
@@ -267,7 +267,7 @@ class PODAttention:
             o_end = op + ((on[0] - 1) * os_[0] + (Hq - 1) * os_[1] + Dv) * e
             q_end = qp + ((qn[0] - 1) * qs[0] + (Hq - 1) * qs[1] + D) * e
             kspan = (kn[0] - 1) * ks[0] + (a - 1) * ks[1] + (b - 1) * ks[2] + c
-            vspan = (kn[0] - 1) * vs[0] + (a - 1) * vs[1] + (b - 1) * vs[2] + cv
+            vspan = (kn[0] - 1) * vs[0] + (a - 1) * vs[1] + (b - 1) * vs[2] + Dv
             return not ((op < q_end and qp < o_end) or (op < kp + kspan * ke and kp < o_end)
                         or (op < vp + vspan * ke and vp < o_end))
         except (AttributeError, TypeError, ValueError, IndexError, RuntimeError):

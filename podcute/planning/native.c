@@ -163,6 +163,18 @@ static inline int64_t slot_of(const int64_t *keys, int64_t cap, int64_t key) {
     return i;
 }
 
+/* Page j of request b: a block table's (indptr NULL: pages[b * row_stride + j]) or CSR
+ * indices' (pages[indptr[b] + j]), of 4- or 8-byte integers. */
+typedef struct { const void *pages; const int64_t *indptr; int64_t elem_bytes, row_stride; } PageSrc;
+static inline int64_t row_start(const PageSrc *src, int64_t b) {
+    return src->indptr ? src->indptr[b] : b * src->row_stride;
+}
+static inline int64_t page_at(const PageSrc *src, int64_t b, int64_t j) {
+    int64_t at = row_start(src, b) + j;
+    return src->elem_bytes == 4 ? (int64_t)((const int32_t *)src->pages)[at]
+                                : ((const int64_t *)src->pages)[at];
+}
+
 /* Sharing's first test (planning/sharing.py, detect): whether two candidates (0 < q_len <=
  * max_q and kv_len - q_len >= min_kv) have the same first page, and with min_reads > 0
  * whether a node of them may pay (sharing._may_pay: a node of n sharers needs a run of
@@ -175,9 +187,15 @@ static inline int64_t slot_of(const int64_t *keys, int64_t cap, int64_t key) {
  * and sort cost a plan ~9 us at B = 256 (a separate ctypes call, with its array
  * addresses, cost 6). Returns 1 (detect builds the tree), 0 (nothing is shared) or -1
  * (out of memory, or a page equal to the maps' empty mark: detect decides in numpy). */
-static int first_pages_repeat(const PlanIO *io) {
-    const int64_t B = io->B, max_q = io->share_max_q, min_kv = io->share_min_kv;
-    const int64_t *q_len = io->q_len, *kv_len = io->kv_len, *indptr = io->share_indptr;
+typedef struct {
+    PageSrc src;
+    const int64_t *q_len, *kv_len;
+    int64_t B, max_q, min_kv, min_reads, page_size;
+} ShareTest;
+
+static int first_pages_repeat(const ShareTest *t) {
+    const int64_t B = t->B, max_q = t->max_q, min_kv = t->min_kv;
+    const int64_t *q_len = t->q_len, *kv_len = t->kv_len;
     const int64_t EMPTY = INT64_MIN;
     int64_t cap = 64;
     while (cap < 2 * B) cap <<= 1;
@@ -186,10 +204,7 @@ static int first_pages_repeat(const PlanIO *io) {
     if (!keys) return -1;
     int64_t *count = keys + cap, *pairs = keys + 2 * cap;
     for (int64_t i = 0; i < cap; i++) { keys[i] = EMPTY; count[i] = 0; pairs[i] = EMPTY; }
-#define PAGE_AT(b, j)                                                                       \
-    (io->share_elem_bytes == 4                                                              \
-         ? (int64_t)((const int32_t *)io->share_pages)[(indptr ? indptr[b] : (b) * io->share_row_stride) + (j)] \
-         : ((const int64_t *)io->share_pages)[(indptr ? indptr[b] : (b) * io->share_row_stride) + (j)])
+#define PAGE_AT(b, j) page_at(&t->src, b, j)
 #define CANDIDATE(b) (q_len[b] > 0 && q_len[b] <= max_q && kv_len[b] - q_len[b] >= min_kv)
     int rc = 0, repeat = 0;
     for (int64_t b = 0; b < B; b++) {
@@ -199,7 +214,7 @@ static int first_pages_repeat(const PlanIO *io) {
         int64_t i = slot_of(keys, cap, page);
         if (keys[i] == page) {
             repeat = 1;
-            if (io->share_min_reads <= 0) { rc = 1; goto out; }
+            if (t->min_reads <= 0) { rc = 1; goto out; }
         }
         keys[i] = page;
         count[i]++;
@@ -210,9 +225,8 @@ static int first_pages_repeat(const PlanIO *io) {
         if (!CANDIDATE(b)) continue;
         int64_t i = slot_of(keys, cap, PAGE_AT(b, 0)), g = count[i];
         if (g < 2) continue;
-        int64_t col = (io->share_min_reads + g * io->share_page_size - 1)
-                      / (g * io->share_page_size) - 1;
-        if ((kv_len[b] - q_len[b]) / io->share_page_size <= col) continue;
+        int64_t col = (t->min_reads + g * t->page_size - 1) / (g * t->page_size) - 1;
+        if ((kv_len[b] - q_len[b]) / t->page_size <= col) continue;
         int64_t page = PAGE_AT(b, col);
         /* the pair (group, page): the group's slot in the high bits (slots < 2^20 for any
          * batch the planner takes), the page's low 43 bits; a collision of two pages
@@ -234,7 +248,15 @@ int podcute_build(PlanIO *io) {
     int rc = 0;
     const int64_t B = io->B, G = io->G, Hkv = io->Hkv, tn = io->tn, grid = io->grid;
     const int has_left = io->left >= 0;
-    io->first_repeat = io->share_pages ? first_pages_repeat(io) : -1;
+    if (io->share_pages) {
+        const ShareTest test = {{io->share_pages, io->share_indptr, io->share_elem_bytes,
+                                 io->share_row_stride}, io->q_len, io->kv_len, B,
+                                io->share_max_q, io->share_min_kv, io->share_min_reads,
+                                io->share_page_size};
+        io->first_repeat = first_pages_repeat(&test);
+    } else {
+        io->first_repeat = -1;
+    }
 
     /* ---- groups: prefill (request, kv head, row tile), then decode (request, kv head) -- */
     int64_t n_pre = 0, n_dec = 0, n_tiles = 0;
@@ -744,11 +766,6 @@ static int sort_rows(const int64_t *P, int64_t width, int64_t *srt, int64_t m, i
     return 0;
 }
 
-static int cmp_pair(const void *a, const void *b) {
-    const int64_t *x = a, *y = b;
-    return x[0] != y[0] ? (x[0] < y[0] ? -1 : 1) : (x[1] < y[1] ? -1 : x[1] > y[1]);
-}
-
 /* intervals by first row, then the wider first */
 static int cmp_interval(const void *a, const void *b) {
     const int64_t *x = a, *y = b;
@@ -760,10 +777,10 @@ int podcute_detect(DetectIO *io) {
     const int64_t B = io->B, ps = io->page_size, *q_len = io->q_len, *kvl = io->kv_len;
     Arena ar = {NULL, 0, 0, 0, {0}, 0};
     int rc = 0;
-#define PG(b, j)                                                                            \
-    (io->elem_bytes == 4                                                                    \
-         ? (int64_t)((const int32_t *)io->pages)[(io->indptr ? io->indptr[b] : (b) * io->row_stride) + (j)] \
-         : ((const int64_t *)io->pages)[(io->indptr ? io->indptr[b] : (b) * io->row_stride) + (j)])
+    const PageSrc src = {io->pages, io->indptr, io->elem_bytes, io->row_stride};
+    /* the first test and its may-pay exit, as the expansion asks them (0: nothing pays) */
+    const ShareTest test = {src, q_len, kvl, B, io->max_q, io->min_kv, io->min_reads, ps};
+    if (first_pages_repeat(&test) == 0) return 0;
     int64_t *cand = NEW(int64_t, B + 1), *first = NEW(int64_t, B + 1), *order = NEW(int64_t, B + 1);
     CHECK(cand && first && order);
     int64_t nc = 0;
@@ -771,7 +788,7 @@ int podcute_detect(DetectIO *io) {
         if (q_len[b] <= io->max_q && kvl[b] - q_len[b] >= io->min_kv && q_len[b] > 0)
             cand[nc++] = b;
     if (nc < 2) goto done;
-    for (int64_t c = 0; c < nc; c++) first[c] = PG(cand[c], 0);
+    for (int64_t c = 0; c < nc; c++) first[c] = page_at(&src, cand[c], 0);
     CHECK(argsort_i64(&ar, first, nc, order) == 0);
     int64_t *gid = NEW(int64_t, nc), *gsize = NEW(int64_t, nc);
     CHECK(gid && gsize);
@@ -780,28 +797,6 @@ int podcute_detect(DetectIO *io) {
     if (gid[nc - 1] == nc - 1) goto done; /* no first page repeats */
     for (int64_t k = 0; k < nc; k++) gsize[k] = 0;
     for (int64_t k = 0; k < nc; k++) gsize[gid[k]]++;
-    /* sharing._may_pay: two of a group hold the same page at the column a paying node of
-     * the group reaches */
-    if (io->min_reads > 0) {
-        int64_t *pairs = NEW(int64_t, 2 * nc), np_ = 0;
-        CHECK(pairs);
-        for (int64_t k = 0; k < nc; k++) {
-            int64_t g = gsize[gid[k]], b = cand[order[k]];
-            if (g < 2) continue;
-            int64_t col = (io->min_reads + g * ps - 1) / (g * ps) - 1;
-            if ((kvl[b] - q_len[b]) / ps <= col) continue;
-            pairs[2 * np_] = gid[k];
-            pairs[2 * np_ + 1] = PG(b, col);
-            np_++;
-        }
-        int pays = 0;
-        if (np_ >= 2) {
-            qsort(pairs, (size_t)np_, 2 * sizeof(int64_t), cmp_pair);
-            for (int64_t k = 1; k < np_ && !pays; k++)
-                pays = pairs[2 * k] == pairs[2 * k - 2] && pairs[2 * k + 1] == pairs[2 * k - 1];
-        }
-        if (!pays) goto done;
-    }
     /* the candidates of groups of two or more, in request order */
     uint8_t *keep = NEW(uint8_t, nc);
     CHECK(keep);
@@ -817,15 +812,15 @@ int podcute_detect(DetectIO *io) {
     int64_t *P = NEW(int64_t, m * width), *srt = NEW(int64_t, m);
     CHECK(P && srt);
     for (int64_t i = 0; i < m; i++) {
-        int64_t b = cand[i], np_ = (kvl[b] - q_len[b]) / ps, *row = P + i * width;
-        int64_t at = io->indptr ? io->indptr[b] : b * io->row_stride;
+        int64_t b = cand[i], n_pages = (kvl[b] - q_len[b]) / ps, *row = P + i * width;
+        int64_t at = row_start(&src, b);
         if (io->elem_bytes == 4) {
-            const int32_t *src = (const int32_t *)io->pages + at;
-            for (int64_t j = 0; j < np_; j++) row[j] = src[j];
+            const int32_t *from = (const int32_t *)io->pages + at;
+            for (int64_t j = 0; j < n_pages; j++) row[j] = from[j];
         } else {
-            memcpy(row, (const int64_t *)io->pages + at, (size_t)np_ * 8);
+            memcpy(row, (const int64_t *)io->pages + at, (size_t)n_pages * 8);
         }
-        for (int64_t j = np_; j < width; j++) row[j] = -1 - i;
+        for (int64_t j = n_pages; j < width; j++) row[j] = -1 - i;
         srt[i] = i;
     }
     /* the sorted rows with the LCPs of neighbours; then the LCP intervals (first row,
@@ -874,12 +869,12 @@ int podcute_detect(DetectIO *io) {
     CHECK(inside && rank_of);
     memset(inside, 0, (size_t)(m + 1) * sizeof *inside);
     for (int64_t k = 0; k < nn; k++) { inside[nodes[4 * k]]++; inside[nodes[4 * k + 1] + 1]--; }
-    int64_t np_ = 0, run_in = 0;
+    int64_t n_part = 0, run_in = 0;
     for (int64_t r = 0; r < m; r++) {
         run_in += inside[r];
-        rank_of[r] = run_in > 0 ? np_++ : -1;
+        rank_of[r] = run_in > 0 ? n_part++ : -1;
     }
-    int64_t *part = NEW(int64_t, np_);
+    int64_t *part = NEW(int64_t, n_part);
     CHECK(part);
     for (int64_t r = 0; r < m; r++) if (rank_of[r] >= 0) part[rank_of[r]] = cand[srt[r]];
     /* tiles: each node's sharers cut into runs of at most tile_rows rows; levels in node
@@ -911,16 +906,16 @@ int podcute_detect(DetectIO *io) {
         t_count[nt - 1] = r1 - t_first[nt - 1];
     }
     if (nt > io->max_tiles || tokens > io->max_tokens) goto done;
-    io->n_participants = np_; io->n_tiles = nt; io->n_levels = nl;
-    if (nt > io->cap_tiles || nl > io->cap_levels || np_ > B) { rc = 2; goto done; }
+    io->n_participants = n_part; io->n_tiles = nt; io->n_levels = nl;
+    if (nt > io->cap_tiles || nl > io->cap_levels || n_part > B) { rc = 2; goto done; }
     /* levels by sharer (a stable counting sort: each sharer's levels stay outer first) */
     int64_t *lp = io->levels_ptr;
-    for (int64_t r = 0; r <= np_; r++) lp[r] = 0;
+    for (int64_t r = 0; r <= n_part; r++) lp[r] = 0;
     for (int64_t l = 0; l < nl; l++) lp[lv_rank[l] + 1]++;
-    for (int64_t r = 0; r < np_; r++) lp[r + 1] += lp[r];
-    int64_t *fill = NEW(int64_t, np_);
+    for (int64_t r = 0; r < n_part; r++) lp[r + 1] += lp[r];
+    int64_t *fill = NEW(int64_t, n_part);
     CHECK(fill);
-    for (int64_t r = 0; r < np_; r++) fill[r] = lp[r];
+    for (int64_t r = 0; r < n_part; r++) fill[r] = lp[r];
     for (int64_t l = 0; l < nl; l++) {
         int64_t at = fill[lv_rank[l]]++;
         io->levels_tile[at] = lv_tile[l];
@@ -931,7 +926,7 @@ int podcute_detect(DetectIO *io) {
         io->tile_lo[t] = t_lo[t]; io->tile_hi[t] = t_hi[t]; io->tile_rank0[t] = -1;
     }
     for (int64_t b = 0; b < B; b++) io->depth[b] = 0;
-    for (int64_t r = 0; r < np_; r++) {
+    for (int64_t r = 0; r < n_part; r++) {
         int64_t last = lp[r + 1] - 1, t = io->levels_tile[last];
         io->participants[r] = part[r];
         io->home[r] = t;
@@ -943,7 +938,6 @@ int podcute_detect(DetectIO *io) {
     io->shared_tokens = shared * ps;
     io->saved_tokens = saved * ps;
     rc = 1;
-#undef PG
 done:
     release(&ar);
     return rc;

@@ -99,7 +99,8 @@ class _RewriteIO(ctypes.Structure):
     ]
 
 
-# DetectIO's output pointers, in the order of NativeBuilder.detect's one buffer
+# DetectIO's output arrays (Sharing's fields), in the order of NativeBuilder.detect's one
+# buffer: per request, per tile, per level
 _DETECT_OUT = ("depth", "participants", "home", "row_off", "levels_ptr", "tile_first",
                "tile_count", "tile_lo", "tile_hi", "tile_rank0", "levels_tile", "levels_row")
 
@@ -230,15 +231,15 @@ class NativeBuilder:
         io.min_reads, io.min_tokens = min_reads, sharing.MIN_SHARED_TOKENS
         cap_t, cap_l = 2 * B, 4 * B
         for _ in range(2):
-            # one buffer for every output (one address: each costs ~1 us from numpy):
-            # per request depth, participants, home, row_off, levels_ptr; per tile first,
-            # count, lo, hi, rank0; per level tile, row
-            out = np.empty(5 * (B + 1) + 5 * cap_t + 2 * cap_l, dtype=np.int64)
-            at = _addr(out)
-            for k, name in enumerate(_DETECT_OUT):
-                setattr(io, name, at + 8 * (k * (B + 1) if k < 5 else
-                                            5 * (B + 1) + ((k - 5) * cap_t if k < 10 else
-                                                           5 * cap_t + (k - 10) * cap_l)))
+            # One buffer for every output (one address: each costs ~1 us from numpy), cut
+            # into _DETECT_OUT's arrays: per request (B + 1), per tile, per level.
+            sizes = (B + 1,) * 5 + (cap_t,) * 5 + (cap_l,) * 2
+            out = np.empty(sum(sizes), dtype=np.int64)
+            at, off, arrays = _addr(out), 0, {}
+            for name, size in zip(_DETECT_OUT, sizes):
+                setattr(io, name, at + 8 * off)
+                arrays[name] = out[off: off + size]
+                off += size
             io.cap_tiles, io.cap_levels = cap_t, cap_l
             rc = self._detect(ctypes.byref(io))
             if rc != 2:
@@ -248,17 +249,14 @@ class NativeBuilder:
             return None
         if rc != 1:
             return NotImplemented
-        per_req = out[:5 * (B + 1)].reshape(5, B + 1)
-        tiles = out[5 * (B + 1): 5 * (B + 1) + 5 * cap_t].reshape(5, cap_t)
-        levels = out[5 * (B + 1) + 5 * cap_t:].reshape(2, cap_l)
-        P, U, L = io.n_participants, io.n_tiles, io.n_levels
+        # (each array cut to what this batch filled)
+        used = dict(depth=B, participants=io.n_participants, home=io.n_participants,
+                    row_off=io.n_participants, levels_ptr=io.n_participants + 1,
+                    levels_tile=io.n_levels, levels_row=io.n_levels)
         return sharing.Sharing(
-            participants=per_req[1, :P], depth=per_req[0, :B],
-            tile_first=tiles[0, :U], tile_count=tiles[1, :U], tile_lo=tiles[2, :U],
-            tile_hi=tiles[3, :U], home=per_req[2, :P], row_off=per_req[3, :P],
-            tile_rank0=tiles[4, :U], levels_ptr=per_req[4, :P + 1],
-            levels_tile=levels[0, :L], levels_row=levels[1, :L], num_nodes=io.num_nodes,
-            shared_tokens=io.shared_tokens, saved_tokens=io.saved_tokens)
+            **{name: a[:used.get(name, io.n_tiles)] for name, a in arrays.items()},
+            num_nodes=io.num_nodes, shared_tokens=io.shared_tokens,
+            saved_tokens=io.saved_tokens)
 
     def build(self, planner, q_len: np.ndarray, kvl: np.ndarray, options, share_test=None):
         """(the batch's Layout (the rows written to the planner's staging buffers), or

@@ -137,8 +137,7 @@ class Planner(WorkExpansion):
         if hbm_bytes_per_sm_clock is None:
             hbm_bytes_per_sm_clock = ((props is not None and chip_hbm_bytes_per_sm_clock(props))
                                       or H200_HBM_BYTES_PER_SM_CLOCK)
-        self.config = PlanConfig(num_qo_heads, num_kv_heads, G, head_dim, page_size, kernel,
-                                 head_dim_vo)
+        self.config = PlanConfig(num_qo_heads, num_kv_heads, G, head_dim, page_size, kernel)
         self.cost = cost_model.for_kernel(kernel)
         self.num_sms = int(num_sms)
         self.grid = self.num_sms * kernel.ctas_per_sm

@@ -60,11 +60,6 @@ class PlanConfig:
     head_dim: int
     page_size: int
     kernel: KernelConfig  # tiling (and default flags) of the kernel this plan is cut for
-    head_dim_vo: int = 0  # the value head dim (V and out rows); 0: head_dim's
-
-    @property
-    def vo_dim(self) -> int:
-        return self.head_dim_vo or self.head_dim
 
 
 @dataclass(frozen=True)
