@@ -804,7 +804,7 @@ def select_workloads(args, opts: Options | None = None) -> tuple:
     main_wl, pages, sweep_wl = W.workloads(args.quick)
     if args.only:
         names = args.only.split(",")
-        main_wl = tuple(w for w in W.MAIN + (W.M1_SHUFFLED,) if w.name in names)
+        main_wl = tuple(w for w in W.MAIN + W.EXTRA if w.name in names)
         args.no_sweep = True
     if args.pages:
         pages = tuple(int(x) for x in args.pages.split(","))

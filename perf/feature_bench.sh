@@ -2,7 +2,7 @@
 # The model-feature benchmark runs of issue 10 (docs/performance.md), on the H200 after
 # perf/gpu_check.sh's set-up (or standalone: it sources the same environment):
 #
-#   bash perf/feature_bench.sh SET...   SET: d256 window softcap sinks d96 d64 invariant
+#   bash perf/feature_bench.sh SET...   SET: d256 window softcap sinks d96 d64 invariant f1
 #
 # Each set is one or two `python -m perf.bench` runs (FA4 with the same options in the
 # same run), written to $OUT/bench-<name>/. Env: REPS (timed calls, default 20),
@@ -31,6 +31,10 @@ for s in "$@"; do
            b sinks --heads 64/8 --head-dim 64 --sinks --only M1 ;;
     d96) b d96 --head-dim 96 --only M1,M2,M3,M4,M5,P1 ;;
     d64) b d64 --head-dim 64 --only M1,M2,M3,M4,M5,P1 ;;
+    # issue 44's prefill targets beside FA4: F1 at head dims 64 and 256 and under a window
+    # (F1 at 128 is in the default run)
+    f1) b f1-d64 --head-dim 64 --only F1; b f1-d256 --heads 16/8 --head-dim 256 --only F1
+        b f1-window --window 4096 --only F1 ;;
     invariant) b base-inv --only M1,M2,M3,M4,M5,D1; b invariant --batch-invariant --only M1,M2,M3,M4,M5,D1 ;;
     *) echo "unknown set $s"; exit 2 ;;
   esac

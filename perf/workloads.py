@@ -30,7 +30,7 @@ PAGE_SIZES = (16, 128)
 MIXED_MAX_ROOFLINE_RATIO = 1.25  # M1-M5, P1 (page 16 and 128): fused time <= 1.25 x roofline
 DECODE_MIN_ROOFLINE_FRACTION = 0.90  # D1: roofline / fused time >= 0.90
 SERIAL_MIN_SPEEDUP_GEOMEAN = 1.25  # M1-M5: geomean of serial / fused >= 1.25
-MIXED = ("M1", "M2", "M3", "M4", "M5", "P1")
+MIXED = ("M1", "M2", "M3", "M4", "M5", "P1", "PH1")
 SERIAL_TARGET_SET = ("M1", "M2", "M3", "M4", "M5")
 
 
@@ -126,8 +126,28 @@ D1 = mixed("D1", [], 256, 4096, kind="decode")
 F1 = mixed("F1", [(8192, 8192)], 0, 0, kind="prefill")
 M1_SHUFFLED = shuffled(M1, "M1-shuf")
 
+
+def prefill_heavy(name: str = "PH1", seed: int = 3) -> Workload:
+    """A chunked-prefill engine's prefill-bound step (issue 44's own mix): prefills of
+    mixed lengths (a fresh prompt, a long chunk at an offset, a short one) and 96 decodes
+    of ragged contexts (256..8192 keys), in one fixed shuffled order, so neither the
+    planner nor a peer sees the kinds sorted. No contiguous split: no serial column."""
+    rng = random.Random(seed)
+    prefills = [(1500, 1500), (6000, 6000), (2048, 7168), (700, 3000)]
+    decodes = [(1, rng.randint(256, 8192)) for _ in range(96)]
+    reqs = prefills + decodes
+    rng.shuffle(reqs)
+    return Workload(name, tuple(q for q, _ in reqs), tuple(kv for _, kv in reqs),
+                    num_prefill=None, params=dict(prefill_heavy=True))
+
+
+PH1 = prefill_heavy()
+
 MAIN = (M1, M2, M3, M4, M5, P1, D1, F1)
 QUICK_MAIN = (M1, D1, F1)
+# Workloads without FlashInfer anchors, beside MAIN in a full run (M1-shuf at the first
+# page size only).
+EXTRA = (M1_SHUFFLED, PH1)
 
 SWEEP_CHUNKS = (512, 1 * K, 2 * K, 4 * K, 8 * K)
 SWEEP_BATCHES = (16, 64, 128, 256)
@@ -148,7 +168,7 @@ def workloads(quick: bool = False) -> tuple:
     """(main workloads, page sizes, sweep workloads) of a full or a --quick run."""
     if quick:
         return QUICK_MAIN + (M1_SHUFFLED,), (16,), sweep(*QUICK_SWEEP)
-    return MAIN + (M1_SHUFFLED,), PAGE_SIZES, sweep()
+    return MAIN + EXTRA, PAGE_SIZES, sweep()
 
 
 # --------------------------------------------------------------------------------------

@@ -97,6 +97,20 @@ def test_shuffled_variant_is_a_permutation_of_m1():
     assert W.flops(s) == W.flops(W.M1) and W.bytes_moved(s) == W.bytes_moved(W.M1)
 
 
+def test_prefill_heavy_mix_is_shuffled_ragged_and_prefill_bound():
+    w = W.PH1
+    prefills = [(q, kv) for q, kv in zip(w.q_lens, w.kv_lens) if q > 1]
+    decode_ctx = [kv for q, kv in zip(w.q_lens, w.kv_lens) if q == 1]
+    assert len(prefills) == 4 and len(decode_ctx) == 96 and len(set(decode_ctx)) > 48
+    assert all(256 <= kv <= 8192 for kv in decode_ctx)
+    kinds = [q > 1 for q in w.q_lens]
+    assert kinds != sorted(kinds) and kinds != sorted(kinds, reverse=True)  # interleaved
+    assert w.num_prefill is None and not w.has_split and not w.params.get("shuffled_from")
+    assert W.bound(w, 779e12, 4.22e12) == "compute"
+    assert W.prefill_heavy() == W.PH1  # the same batch in every run
+    assert "PH1" in W.MIXED and W.PH1 in W.workloads()[0]
+
+
 def test_sweep_grid():
     sw = W.sweep()
     assert len(sw) == 60
@@ -241,6 +255,8 @@ def test_bench_cli_parses_feature_options():
     assert "window_size=(128, 0)" in text and "softcap=30" in text and "batch_invariant" in text
     main, pages, sweep = B.select_workloads(args, o)
     assert [w.name for w in main] == ["M1", "D1"] and pages == (16, 128) and args.no_sweep
+    args = B.parse_args(["--only", "PH1,F1"])
+    assert [w.name for w in B.select_workloads(args)[0]] == ["F1", "PH1"]
     for w in main:
         assert (w.num_qo_heads, w.num_kv_heads, w.head_dim, w.window_left) == (64, 8, 96, 128)
     assert B.command_line(["--window", "128", "--heads", "64/8"]) == \
