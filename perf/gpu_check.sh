@@ -15,6 +15,8 @@
 #                                             (shared-prefix plans: the GPU tests, the
 #                                             sanitizers, perf.bench_shared, its parts'
 #                                             batches, when sharing pays)
+#                                             kv-box (page 16's TMA boxes against the
+#                                             cp.async gather, perf.experiments.exp_kv_box)
 #                                             ncu-W-PAGE
 #                                             (ncu of workload W at page PAGE, e.g. ncu-F1-16)
 #                                             ncu-fa4-W-PAGE (the same batch through FA4)
@@ -137,6 +139,7 @@ for s in "$@"; do
     shared-bench) step shared-bench 200 python -m perf.bench_shared --out "$OUT/shared-bench" ;;
     shared-parts) step shared-parts 300 python -m perf.experiments.shared_parts \
         --out "$OUT/shared-parts" ;;
+    kv-box) step kv-box 300 python -m perf.experiments.exp_kv_box ${KV_BOX_ARGS:-} ;;
     share-pays) step share-pays 300 python -m perf.experiments.share_pays \
         --out "$OUT/share-pays" ;;
     features) step features 500 env PODCUTE_GPU_REPORT="$OUT/features_report.json" \
