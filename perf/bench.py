@@ -538,6 +538,9 @@ def markdown(report) -> str:
     ]
     command = report.get("command") or env.get("command")
     lines += [f"Command: `{command}`", ""] if command else []  # not in older reports
+    if env.get("kernel_flags"):
+        flags = " ".join(f"{k}={v}" for k, v in env["kernel_flags"].items())
+        lines += [f"Kernel flags: `{flags}`", ""]
     lines += [
         f"Options (every workload; podcute, FA4 and the reference alike): "
         f"{report.get('options_text') or env.get('options') or Options().describe()}",
@@ -724,6 +727,11 @@ def environment(fa4_note) -> dict:
                cuda=torch.version.cuda, gpu=torch.cuda.get_device_name(0),
                num_sms=torch.cuda.get_device_properties(0).multi_processor_count,
                fa4=fa4_note)
+    from podcute.testing import KERNEL_FLAG_ENV
+
+    # an A/B's kernel flags (podcute.testing.kernel_flags_from_env), where set
+    env["kernel_flags"] = {var: os.environ[var] for var in KERNEL_FLAG_ENV.values()
+                           if var in os.environ}
     try:
         env["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                     text=True, timeout=10,
@@ -911,4 +919,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from podcute.testing import kernel_flags_from_env
+
+    with kernel_flags_from_env():  # $PODCUTE_TEST_*=0/1: an A/B of a KernelConfig flag
+        sys.exit(main())

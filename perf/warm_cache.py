@@ -5,8 +5,8 @@ the carried cache instead of compiling:
     CUTE_DSL_ARCH=sm_90a PODCUTE_CACHE_DIR=.device/pcache python -m perf.warm_cache [-j 2]
 
 (`.device/` is git-ignored and carried to the device; set PODCUTE_CACHE_DIR there too.)
-With PODCUTE_TEST_DECODE_EVICT_FIRST=0 / 1, the variants without / with
-KernelConfig.decode_kv_evict_first (podcute.testing.decode_evict_first; on by default).
+With PODCUTE_TEST_DECODE_EVICT_FIRST or PODCUTE_TEST_SOFTMAX_UNDER_PV = 0 / 1, the
+variants without / with that KernelConfig flag (podcute.testing.kernel_flags).
 """
 
 from __future__ import annotations
@@ -55,9 +55,9 @@ def main(argv=None) -> int:
                         "kernel's variants, those it has)")
     args = p.parse_args(argv)
     os.environ.setdefault("CUTE_DSL_ARCH", args.arch)
-    from podcute.testing import decode_evict_first_from_env
+    from podcute.testing import kernel_flags_from_env
 
-    with decode_evict_first_from_env():
+    with kernel_flags_from_env():
         return _warm(args)
 
 

@@ -477,35 +477,43 @@ def fp8_test_variants():
     return [_select_kwargs(dict(FP8_DEFAULTS, **c)) for c in cases]
 
 
-# Set to 1 (0) on a GPU run, the kernel tests, tests/gpu_sanitize.py and perf.warm_cache
-# run the kernels with (without) KernelConfig.decode_kv_evict_first (`decode_evict_first`);
-# unset, with the variants' own choice.
-DECODE_EVICT_FIRST_ENV = "PODCUTE_TEST_DECODE_EVICT_FIRST"
+# KernelConfig flags a GPU run may switch for an A/B: with the variable set to 1 (0), the
+# kernel tests, tests/gpu_sanitize.py, perf.warm_cache and perf.bench run every kernel with
+# (without) the flag (`kernel_flags_from_env`); unset, as the variants choose.
+KERNEL_FLAG_ENV = {
+    "decode_kv_evict_first": "PODCUTE_TEST_DECODE_EVICT_FIRST",  # the L2 hint, shipped on
+    "softmax_under_pv": "PODCUTE_TEST_SOFTMAX_UNDER_PV",  # shipped off until measured
+}
+DECODE_EVICT_FIRST_ENV = KERNEL_FLAG_ENV["decode_kv_evict_first"]
 
 
 @contextlib.contextmanager
-def decode_evict_first(on: bool = True):
-    """Inside, every kernel configuration chosen (KernelConfig.select) has
-    decode_kv_evict_first = `on`: how the GPU tests and the experiments run the kernels
-    with and without the L2 hint (shipped on) for an A/B."""
+def kernel_flags(**flags):
+    """Inside, every kernel configuration chosen (KernelConfig.select) has these flags
+    (e.g. decode_kv_evict_first=False): how the GPU tests and the experiments run the
+    kernels with and without one for an A/B."""
     from podcute.kernels.config import KernelConfig
 
     select = KernelConfig.__dict__["select"]
     KernelConfig.select = staticmethod(lambda *a, **kw: dataclasses.replace(
-        select.__func__(*a, **kw), decode_kv_evict_first=on))
+        select.__func__(*a, **kw), **flags))
     try:
         yield
     finally:
         KernelConfig.select = select
 
 
-def decode_evict_first_from_env():
-    """`decode_evict_first(on)` where $PODCUTE_TEST_DECODE_EVICT_FIRST is 1 (on) or 0
-    (off), else nothing."""
-    value = os.environ.get(DECODE_EVICT_FIRST_ENV, "")
-    if value in ("0", "1"):
-        return decode_evict_first(value == "1")
-    return contextlib.nullcontext()
+def decode_evict_first(on: bool = True):
+    """`kernel_flags(decode_kv_evict_first=on)`: the L2 hint (shipped on) on or off."""
+    return kernel_flags(decode_kv_evict_first=on)
+
+
+def kernel_flags_from_env():
+    """`kernel_flags` of every KERNEL_FLAG_ENV variable set to 1 (on) or 0 (off); none
+    set: nothing."""
+    flags = {name: os.environ[var] == "1" for name, var in KERNEL_FLAG_ENV.items()
+             if os.environ.get(var, "") in ("0", "1")}
+    return kernel_flags(**flags) if flags else contextlib.nullcontext()
 
 
 def make_shared_prefix_batch(rng: random.Random, *, num_qo_heads, num_kv_heads, head_dim,

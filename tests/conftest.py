@@ -7,12 +7,12 @@ import pytest
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _decode_evict_first():
-    """$PODCUTE_TEST_DECODE_EVICT_FIRST=0 / 1: the kernels run without / with
-    KernelConfig.decode_kv_evict_first (podcute.testing.decode_evict_first)."""
-    from podcute.testing import decode_evict_first_from_env
+def _kernel_flags():
+    """$PODCUTE_TEST_DECODE_EVICT_FIRST, $PODCUTE_TEST_SOFTMAX_UNDER_PV = 0 / 1: the kernels
+    run without / with that KernelConfig flag (podcute.testing.kernel_flags)."""
+    from podcute.testing import kernel_flags_from_env
 
-    with decode_evict_first_from_env():
+    with kernel_flags_from_env():
         yield
 
 

@@ -332,10 +332,10 @@ def main_shared(small: bool) -> int:
 
 
 if __name__ == "__main__":
-    from podcute.testing import decode_evict_first_from_env
+    from podcute.testing import kernel_flags_from_env
 
     only = sys.argv[sys.argv.index("--case") + 1] if "--case" in sys.argv else ""
-    with decode_evict_first_from_env():  # $PODCUTE_TEST_DECODE_EVICT_FIRST=0/1: the L2 hint
+    with kernel_flags_from_env():  # $PODCUTE_TEST_*=0/1: KernelConfig flags (testing)
         if "--legacy" in sys.argv:
             sys.exit(main_legacy("--small" in sys.argv))
         if "--cache2" in sys.argv:

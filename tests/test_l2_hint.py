@@ -86,7 +86,7 @@ def test_the_tests_switch_the_flag_by_environment(monkeypatch):
     experiments run the kernels with or without the flag ($PODCUTE_TEST_DECODE_EVICT_FIRST)."""
     import podcute.planning as P
     from podcute.kernels.config import KernelConfig
-    from podcute.testing import DECODE_EVICT_FIRST_ENV, decode_evict_first_from_env
+    from podcute.testing import DECODE_EVICT_FIRST_ENV, kernel_flags_from_env
 
     def flags():
         planners = [P.Planner(32, 8, 128, 16, device="cpu", arch=a) for a in ("sm_90a", "sm_90")]
@@ -94,12 +94,12 @@ def test_the_tests_switch_the_flag_by_environment(monkeypatch):
             KernelConfig.select("bfloat16", 128, 4, ragged_kv=True).decode_kv_evict_first]
 
     monkeypatch.delenv(DECODE_EVICT_FIRST_ENV, raising=False)
-    with decode_evict_first_from_env():
+    with kernel_flags_from_env():
         assert flags() == [True] * 3  # the default
     monkeypatch.setenv(DECODE_EVICT_FIRST_ENV, "0")
-    with decode_evict_first_from_env():
+    with kernel_flags_from_env():
         assert flags() == [False] * 3
     monkeypatch.setenv(DECODE_EVICT_FIRST_ENV, "1")
-    with decode_evict_first_from_env():
+    with kernel_flags_from_env():
         assert flags() == [True] * 3
     assert flags() == [True] * 3

@@ -180,6 +180,12 @@ class KernelConfig:
     # The warp-level kernel: its items of <= 16 rows; sm_90a: its decode items (every
     # gathered copy carries a policy, evict-normal for prefill items).
     decode_kv_evict_first: bool = True
+    # sm_90a prefill loop: K's stage released behind a test of the row sums, so that ptxas
+    # cannot hoist the P V wait above the softmax's exp2s: the warpgroup's softmax then runs
+    # under its own P V GEMM (docs/notes/sm90a-kernel.md). Compiled and read in SASS on the
+    # CPU, not yet measured on a GPU: off until it is ($PODCUTE_TEST_SOFTMAX_UNDER_PV=1 runs
+    # the GPU tests and benchmarks with it, podcute.testing.kernel_flags).
+    softmax_under_pv: bool = False
 
     # ---- derived ----------------------------------------------------------------------
 

@@ -1142,8 +1142,10 @@ class PodAttentionSm90(PodKernelBase):
         """Every KV tile for this warpgroup's 64 rows (both MMA warpgroups read every
         stage), FlashAttention-3's order: on its turn a warpgroup issues S = Q K^T of tile
         n, rescales O while it runs, issues O += P V of tile n-1 and hands the turn over
-        (ping-pong: its softmax then overlaps the other's GEMMs); S done -> softmax of
-        tile n; P V done -> P of tile n. Q is released after the last S GEMM."""
+        (ping-pong: its softmax then overlaps the other's GEMMs); S done -> K's release and
+        the softmax of tile n (with `softmax_under_pv`, the softmax then K's release, and the
+        softmax under the warpgroup's own P V GEMM too); P V done -> P of tile n. Q is
+        released after the last S GEMM."""
         tile_n, stages = self.tile_n, self.num_stages
         schedule_barrier = Int32(NamedBarrier.SCHEDULE) + wg
         other_barrier = Int32(NamedBarrier.SCHEDULE) + 1 - wg
@@ -1172,9 +1174,16 @@ class PodAttentionSm90(PodKernelBase):
                 cute.arch.barrier_arrive(barrier_id=other_barrier,
                                          number_of_threads=self.num_mma_threads)
                 warpgroup.wait_group(1)  # S done; P V still running
-                pipes.k.consumer_release(k_state)
+                if const_expr(not self.cfg.softmax_under_pv):
+                    pipes.k.consumer_release(k_state)
                 score_tile(acc_S, n_block=n_block)
                 softmax.update(acc_S, row_scale)
+                if const_expr(self.cfg.softmax_under_pv):
+                    # ptxas hoists a wgmma wait up to the mbarrier arrive before it: K
+                    # released on a test of the row sums (always true) keeps every exp2 of
+                    # this softmax ahead of the P V wait, under this warpgroup's P V GEMM.
+                    if softmax.summed():
+                        pipes.k.consumer_release(k_state)
                 warpgroup.wait_group(0)  # P V done: rP is free
                 pipes.v.consumer_release(v_state)
                 gemms.rP.store(acc_S.load().to(self.mma_dtype))

@@ -62,6 +62,16 @@ class OnlineSoftmax:
             acc_S_mn[r, None].store(probs)
 
     @cute.jit
+    def summed(self) -> cutlass.Boolean:
+        """True, computed from every row's running sum: an instruction that must follow
+        the whole update. (A sum is >= 0 or NaN, so the total is never -1; a compiler
+        cannot know that and fold the test.)"""
+        total = self.row_sum[0]
+        for r in cutlass.range_constexpr(1, cute.size(self.row_sum)):
+            total = total + self.row_sum[r]
+        return total != Float32(-1.0)
+
+    @cute.jit
     def merge(self, other_max: cute.Tensor, other_sum: cute.Tensor) -> tuple:
         """Fold another running softmax of the same rows over disjoint keys into this one
         (the decode combine of two warpgroups). `other_sum` is the other thread's partial
