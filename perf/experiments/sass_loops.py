@@ -35,7 +35,9 @@ COUNTED = ("HMMA", "HGMMA", "LDSM", "MUFU", "BAR", "LDGSTS", "STL", "LDL")
 EVENTS = ("HGMMA", "MUFU", "F2FP", "BAR", "SYNCS")
 
 
-def nvdisasm() -> str:
+def find_nvdisasm() -> str | None:
+    """$NVDISASM, nvdisasm on PATH, or the one of the nvidia-cuda-nvdisasm wheel (the test
+    extra installs it); None if none is there."""
     found = os.environ.get("NVDISASM") or shutil.which("nvdisasm")
     if found:
         return found
@@ -47,7 +49,14 @@ def nvdisasm() -> str:
                 return str(cand)
     except ImportError:
         pass
-    sys.exit("nvdisasm not found: set NVDISASM, or put it on PATH (see this module's doc)")
+    return None
+
+
+def nvdisasm() -> str:
+    found = find_nvdisasm()
+    if found is None:
+        sys.exit("nvdisasm not found: set NVDISASM, or put it on PATH (see this module's doc)")
+    return found
 
 
 def loops(sass: str):
