@@ -533,7 +533,9 @@ def markdown(report) -> str:
         "# podcute benchmark",
         "",
         f"{env.get('gpu')}, torch {env.get('torch')}, CUDA {env.get('cuda')}, "
-        f"podcute {env.get('git')} ({env.get('podcute_api')}), FA4: {env.get('fa4')}",
+        f"podcute {env.get('git')} ({env.get('podcute_api')}"
+        + (f", kernel sources {env['kernel_sources']}" if env.get("kernel_sources") else "")
+        + f"), FA4: {env.get('fa4')}",
         "",
     ]
     command = report.get("command") or env.get("command")
@@ -727,7 +729,10 @@ def environment(fa4_note) -> dict:
                cuda=torch.version.cuda, gpu=torch.cuda.get_device_name(0),
                num_sms=torch.cuda.get_device_properties(0).multi_processor_count,
                fa4=fa4_note)
+    from podcute.compile import kernel_sources
     from podcute.testing import KERNEL_FLAG_ENV
+
+    env["kernel_sources"] = kernel_sources()
 
     # an A/B's kernel flags (podcute.testing.kernel_flags_from_env), where set
     env["kernel_flags"] = {var: os.environ[var] for var in KERNEL_FLAG_ENV.values()

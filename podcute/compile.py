@@ -75,6 +75,13 @@ class VariantKey:
 _FINGERPRINT = _source_fingerprint()
 
 
+def kernel_sources() -> str:
+    """The fingerprint of the kernel sources this process compiles (part of every cache
+    key): a benchmark records it, so its numbers name the kernels that made them even where
+    the tree's git metadata is another commit's (a device copy)."""
+    return _FINGERPRINT
+
+
 ARCH_NAMES = {"sm_90a": "Hopper: H100/H200", "sm_80": "A100/A30", "sm_86": "A10/A40/RTX 30",
               "sm_89": "L4/L40S/RTX 40", "sm_120a": "RTX 50/RTX PRO 6000 Blackwell",
               "sm_90": "the portable kernel on Hopper, by option"}

@@ -436,6 +436,20 @@ def test_markdown_header_records_command_and_options():
     assert "Command: `python -m perf.bench --window 128 --sinks`" in md
     assert "window_size=(128, 0)" in md and "sinks" in md and "anchors left out" in md
     assert B.short_options(o.active()) == "window 128, sinks"
+    assert "kernel sources" not in md and "Kernel flags" not in md  # an older report's env
+    report["env"].update(kernel_sources="0123abcd",
+                         kernel_flags={"PODCUTE_TEST_SOFTMAX_UNDER_PV": "1"})
+    md = B.markdown(report)
+    assert "podcute g (api, kernel sources 0123abcd)" in md
+    assert "Kernel flags: `PODCUTE_TEST_SOFTMAX_UNDER_PV=1`" in md
+
+
+def test_kernel_sources_name_the_compiled_sources():
+    from podcute.compile import VariantKey, kernel_sources
+    from podcute.kernels.config import KernelConfig
+
+    key = VariantKey.make(KernelConfig.select("bfloat16", 128, 4))
+    assert kernel_sources() == key.sources and len(kernel_sources()) == 16
 
 
 def test_bytes_moved_with_a_one_byte_cache():
