@@ -5,6 +5,7 @@
 #   bash perf/gpu_check.sh STEP...      STEP: demo warm kernel features graph compat serving memcheck
 #                                             racecheck synccheck quick-bench bench host
 #                                             warm-fp8 fp8 fp8-bench fp8-memcheck fp8-ab ab
+#                                             flag-ab (AB_CMD with a kernel flag on / off)
 #                                             warm-portable portable (PODCUTE_ARCH=sm_90)
 #                                             fp8-racecheck fp8-synccheck
 #                                             second-memcheck second-racecheck (the
@@ -115,6 +116,16 @@ for s in "$@"; do
           step $s-new$r 200 python -m $ab_cmd --out "$OUT/$s-new$r"
           step $s-base$r 200 env -C .device/base PYTHONPATH=$PWD/.device/base:${PYTHONPATH:-} \
               python -m $ab_cmd --out "$OUT/$s-base$r"
+        done ;;
+    # flag-ab: the same benchmark (AB_CMD) with a KernelConfig flag's variable (FLAG_AB,
+    # default PODCUTE_TEST_SOFTMAX_UNDER_PV; podcute.testing.KERNEL_FLAG_ENV) at 1 and at 0,
+    # alternating AB_ROUNDS times on this tree
+    flag-ab) var=${FLAG_AB:-PODCUTE_TEST_SOFTMAX_UNDER_PV}
+        for r in $(seq "${AB_ROUNDS:-2}"); do
+          for v in 1 0; do
+            step flag-ab-$v-$r 200 env "$var=$v" python -m ${AB_CMD:-perf.bench --only F1,M1,D1 --pages 16,128} \
+                --out "$OUT/flag-ab-$v-$r"
+          done
         done ;;
     fp8-memcheck) step fp8-memcheck 300 compute-sanitizer --tool memcheck --error-exitcode 3 \
         python tests/gpu_sanitize.py --fp8 ${FP8_SANITIZE_ARGS:-} ;;
