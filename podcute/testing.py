@@ -8,6 +8,7 @@ pages, so a kernel that reads outside the contract produces NaN, not a plausible
 
 import contextlib
 import dataclasses
+import inspect
 import math
 import os
 import random
@@ -488,19 +489,34 @@ DECODE_EVICT_FIRST_ENV = KERNEL_FLAG_ENV["decode_kv_evict_first"]
 
 
 @contextlib.contextmanager
+def selecting(choose):
+    """Inside, KernelConfig.select(...) is `choose(select, arguments)`: the shipped select
+    and its arguments bound by name (`inspect.BoundArguments`, defaults applied), e.g. to
+    change a flag of its result or one of its facts. How the GPU tests and the experiments
+    run other variants than the shipped ones for an A/B."""
+    from podcute.kernels.config import KernelConfig
+
+    shipped = KernelConfig.__dict__["select"]
+    signature = inspect.signature(shipped.__func__)
+
+    def select(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return choose(shipped.__func__, bound)
+
+    KernelConfig.select = staticmethod(select)
+    try:
+        yield
+    finally:
+        KernelConfig.select = shipped
+
+
 def kernel_flags(**flags):
     """Inside, every kernel configuration chosen (KernelConfig.select) has these flags
     (e.g. decode_kv_evict_first=False): how the GPU tests and the experiments run the
     kernels with and without one for an A/B."""
-    from podcute.kernels.config import KernelConfig
-
-    select = KernelConfig.__dict__["select"]
-    KernelConfig.select = staticmethod(lambda *a, **kw: dataclasses.replace(
-        select.__func__(*a, **kw), **flags))
-    try:
-        yield
-    finally:
-        KernelConfig.select = select
+    return selecting(lambda select, bound: dataclasses.replace(
+        select(*bound.args, **bound.kwargs), **flags))
 
 
 def decode_evict_first(on: bool = True):

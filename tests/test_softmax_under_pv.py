@@ -12,7 +12,6 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 
 import pytest
 
@@ -34,9 +33,10 @@ shutil.copy(next(ptx_dump_dir().glob("*.cubin")), out + ".cubin")
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("under_pv") / "f1")
-    env = dict(os.environ, CUTE_DSL_COMPILER_OPT="remarks{ptx}",
-               PODCUTE_CACHE_DIR=tempfile.mkdtemp())  # a fresh compile: the PTX is kept
+    folder = tmp_path_factory.mktemp("under_pv")
+    out = str(folder / "f1")
+    env = dict(os.environ, CUTE_DSL_COMPILER_OPT="remarks{ptx}",  # a fresh compile keeps
+               PODCUTE_CACHE_DIR=str(folder / "cache"))            # the PTX
     log = subprocess.run([sys.executable, "-c", _SCRIPT, out, "true"], capture_output=True,
                          text=True, env=env, timeout=900)
     assert log.returncode == 0, log.stdout[-3000:] + log.stderr[-3000:]

@@ -22,23 +22,20 @@ import torch
 from perf import workloads as W
 from perf.bench import measure_ceilings
 from perf.timing import time_gpu
+from podcute.testing import selecting
 
 
-@contextlib.contextmanager
 def page_class(gather: bool):
     """With `gather`, every variant podcute selects takes the cp.async row gather, as for
     pages of 1..8 tokens (the kernel reads any page size that way)."""
-    from podcute.kernels.config import KernelConfig
+    if not gather:
+        return contextlib.nullcontext()
 
-    shipped = KernelConfig.__dict__["select"]
-    if gather:
-        def select(*args, page_size=16, **kw):
-            return shipped.__func__(*args, page_size=1, **kw)
-        KernelConfig.select = staticmethod(select)
-    try:
-        yield
-    finally:
-        KernelConfig.select = shipped
+    def as_gathered(select, bound):
+        bound.arguments["page_size"] = 1
+        return select(*bound.args, **bound.kwargs)
+
+    return selecting(as_gathered)
 
 
 def run_one(w: W.Workload, page: int, gather: bool, reps: int) -> tuple:
