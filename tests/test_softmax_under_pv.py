@@ -1,5 +1,5 @@
-"""KernelConfig.softmax_under_pv (sm_90a, off in every shipped variant until a GPU measures
-it): in the prefill loop K's stage is released after the softmax, behind a test of the row
+"""KernelConfig.softmax_under_pv (sm_90a; select() turns it on for 16-bit caches with 128-
+and 256-column tiles, where it measured faster): in the prefill loop K's stage is released after the softmax, behind a test of the row
 sums, so that ptxas cannot hoist the wait for the warpgroup's own P V GEMM above the
 softmax's exp2s (docs/notes/sm90a-kernel.md). Compiled on the host (no GPU): the PTX of the
 loop holds that order (exp2s, then the guarded arrive, then the wait), the variant spills
@@ -90,18 +90,35 @@ def test_the_sass_keeps_every_exp2_under_the_p_v_gemm(compiled):
         assert "MUFUx66" in between, order[:300]
 
 
-def test_off_in_every_shipped_variant_and_switched_by_environment(monkeypatch):
+def test_on_where_measured_faster_and_switched_by_environment(monkeypatch):
+    """On in the sm_90a 16-bit variants with 128- and 256-column tiles (F1 faster on an
+    H100), off at 64 and 96 columns (D 64 measured slower, D 96 unmeasured), with fp8
+    caches (unmeasured) and on the warp-level kernel (no such loop); the test variables
+    override select() both ways."""
     from podcute.compile import shipped_variants
     from podcute.kernels.config import SUPPORTED_ARCHS, KernelConfig
     from podcute.testing import KERNEL_FLAG_ENV, kernel_flags_from_env
 
     for arch in SUPPORTED_ARCHS:
-        assert not any(k.config.softmax_under_pv for k in shipped_variants(arch))
+        for key in shipped_variants(arch):
+            c = key.config
+            want = arch == "sm_90a" and not c.kv_dtype and c.head_dim >= 128
+            assert c.softmax_under_pv == want, c
+    assert all(k.config.softmax_under_pv for k in shipped_variants(
+        head_dims=(128, 256), groups=(4,), features=("window+softcap+sinks",)))
+    assert not any(k.config.softmax_under_pv for k in shipped_variants(
+        head_dims=(128,), groups=(4,), kv_dtypes=("float8_e4m3fn",)))
+    # a caller's head dim runs on its tile: 112 on 128 columns, 80 on 96
+    assert KernelConfig.select("bfloat16", 112, 4).softmax_under_pv
+    assert not KernelConfig.select("bfloat16", 80, 4).softmax_under_pv
     var = KERNEL_FLAG_ENV["softmax_under_pv"]
-    monkeypatch.setenv(var, "1")
+    monkeypatch.setenv(var, "0")
     monkeypatch.setenv(KERNEL_FLAG_ENV["decode_kv_evict_first"], "0")
     with kernel_flags_from_env():
         cfg = KernelConfig.select("bfloat16", 128, 4, shared_prefix=True)
-        assert cfg.softmax_under_pv and not cfg.decode_kv_evict_first
+        assert not cfg.softmax_under_pv and not cfg.decode_kv_evict_first
+    monkeypatch.setenv(var, "1")
+    with kernel_flags_from_env():
+        assert KernelConfig.select("bfloat16", 64, 4).softmax_under_pv
     cfg = KernelConfig.select("bfloat16", 128, 4)
-    assert not cfg.softmax_under_pv and cfg.decode_kv_evict_first
+    assert cfg.softmax_under_pv and cfg.decode_kv_evict_first

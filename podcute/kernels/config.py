@@ -182,9 +182,11 @@ class KernelConfig:
     decode_kv_evict_first: bool = True
     # sm_90a prefill loop: K's stage released behind a test of the row sums, so that ptxas
     # cannot hoist the P V wait above the softmax's exp2s: the warpgroup's softmax then runs
-    # under its own P V GEMM (docs/notes/sm90a-kernel.md). Compiled and read in SASS on the
-    # CPU, not yet measured on a GPU: off until it is ($PODCUTE_TEST_SOFTMAX_UNDER_PV=1 runs
-    # the GPU tests and benchmarks with it, podcute.testing.kernel_flags).
+    # under its own P V GEMM (docs/notes/sm90a-kernel.md). select() turns it on where it
+    # measured faster: 16-bit caches with 128- and 256-column tiles (F1 4-10 % on an H100);
+    # at D 64 it measured 2-5 % slower (the loop is bound by its exp2s, not its GEMMs), and
+    # D 96 and fp8 caches are unmeasured ($PODCUTE_TEST_SOFTMAX_UNDER_PV=0 / 1 overrides it,
+    # podcute.testing.kernel_flags).
     softmax_under_pv: bool = False
 
     # ---- derived ----------------------------------------------------------------------
@@ -475,6 +477,7 @@ class KernelConfig:
             producer_regs=producer_regs, mma_regs=mma_regs, window=bool(window),
             softcap=bool(softcap), has_sinks=bool(has_sinks),
             combine_rounds=4 if wide else 1, o_staging=not wide, head_dim_io=io,
+            softmax_under_pv=head_dim >= 128,
         )
         # The deepest K/V pipeline shared memory holds (bytes in flight, whatever tile_n),
         # in steps of 2: one stage per MMA warpgroup (can_implement).
