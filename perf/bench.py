@@ -730,13 +730,12 @@ def environment(fa4_note) -> dict:
                num_sms=torch.cuda.get_device_properties(0).multi_processor_count,
                fa4=fa4_note)
     from podcute.compile import kernel_sources
-    from podcute.testing import KERNEL_FLAG_ENV
+    from podcute.testing import kernel_flag_env
 
     env["kernel_sources"] = kernel_sources()
 
     # an A/B's kernel flags (podcute.testing.kernel_flags_from_env), where set
-    env["kernel_flags"] = {var: os.environ[var] for var in KERNEL_FLAG_ENV.values()
-                           if var in os.environ}
+    env["kernel_flags"] = kernel_flag_env()
     try:
         env["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                     text=True, timeout=10,

@@ -33,6 +33,7 @@ from perf import workloads as W
 from perf.bench import parse_heads
 from perf.bench import _rel_l2, _sets, measure_ceilings
 from perf.timing import time_gpu
+from podcute.testing import kernel_flag_env
 
 
 def run(w: W.Workload, page: int, ceil: dict, reps: int, l2_bytes: int,
@@ -134,9 +135,12 @@ def main(argv=None) -> int:
                   f"{' ' + results[-1]['error'] if 'error' in results[-1] else ''}",
                   file=sys.stderr, flush=True)
             with open(os.path.join(args.out, "bench_fp8.json"), "w") as f:
-                json.dump(dict(ceilings=ceil, command=" ".join(sys.argv), results=results), f,
-                          indent=1)
+                json.dump(dict(ceilings=ceil, command=" ".join(sys.argv), results=results,
+                               kernel_flags=kernel_flag_env()), f, indent=1)
     md = markdown(results, ceil)
+    if kernel_flag_env():  # an A/B's side, named in the table's file
+        md = "Kernel flags: " + " ".join(f"`{k}={v}`" for k, v in kernel_flag_env().items()) \
+            + "\n\n" + md
     with open(os.path.join(args.out, "bench_fp8.md"), "w") as f:
         f.write(md)
     print(md)
@@ -146,4 +150,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from podcute.testing import kernel_flags_from_env
+
+    with kernel_flags_from_env():  # $PODCUTE_TEST_*=0/1: an A/B of a KernelConfig flag
+        sys.exit(main())

@@ -524,6 +524,12 @@ def decode_evict_first(on: bool = True):
     return kernel_flags(decode_kv_evict_first=on)
 
 
+def kernel_flag_env() -> dict:
+    """The KERNEL_FLAG_ENV variables set in this process, by name (what a benchmark's
+    report names as its side of an A/B)."""
+    return {var: os.environ[var] for var in KERNEL_FLAG_ENV.values() if var in os.environ}
+
+
 def kernel_flags_from_env():
     """`kernel_flags` of every KERNEL_FLAG_ENV variable set to 1 (on) or 0 (off); none
     set: nothing."""

@@ -97,7 +97,7 @@ def test_on_where_measured_faster_and_switched_by_environment(monkeypatch):
     override select() both ways."""
     from podcute.compile import shipped_variants
     from podcute.kernels.config import SUPPORTED_ARCHS, KernelConfig
-    from podcute.testing import KERNEL_FLAG_ENV, kernel_flags_from_env
+    from podcute.testing import KERNEL_FLAG_ENV, kernel_flag_env, kernel_flags_from_env
 
     for arch in SUPPORTED_ARCHS:
         for key in shipped_variants(arch):
@@ -118,6 +118,7 @@ def test_on_where_measured_faster_and_switched_by_environment(monkeypatch):
         cfg = KernelConfig.select("bfloat16", 128, 4, shared_prefix=True)
         assert not cfg.softmax_under_pv and not cfg.decode_kv_evict_first
     monkeypatch.setenv(var, "1")
+    assert kernel_flag_env() == {var: "1", KERNEL_FLAG_ENV["decode_kv_evict_first"]: "0"}
     with kernel_flags_from_env():
         assert KernelConfig.select("bfloat16", 64, 4).softmax_under_pv
     cfg = KernelConfig.select("bfloat16", 128, 4)
