@@ -17,7 +17,7 @@ cutlass = pytest.importorskip("cutlass")
 import cutlass.cute as cute  # noqa: E402
 import cutlass.utils.hopper_helpers as sm90_utils  # noqa: E402
 from cutlass.cute.nvgpu import warpgroup  # noqa: E402
-from cutlass.utils import LayoutEnum  # noqa: E402
+from cutlass.tensor_utils import LayoutEnum  # noqa: E402
 
 from podcute.kernels.smem import tile_smem_layout  # noqa: E402
 

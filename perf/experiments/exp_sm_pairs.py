@@ -19,7 +19,7 @@ import torch
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils as utils
+import cutlass.memory
 from cutlass import Int32
 from cutlass.cute.runtime import from_dlpack
 
@@ -46,7 +46,7 @@ class Probe:
 
     @cute.kernel
     def kernel(self, mOut: cute.Tensor, spin_ns: Int32):
-        utils.SmemAllocator().allocate(self.storage)
+        cutlass.memory.SmemAllocator().allocate(self.storage)
         tidx = cute.arch.thread_idx()[0]
         cta = cute.arch.block_idx()[0]
         t0 = _clock_ns()

@@ -47,7 +47,7 @@ import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils as utils
+import cutlass.memory
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warp
 
@@ -231,7 +231,7 @@ class PodAttentionSm80(PodKernelBase):
     ):
         tile_n, d, stages = self.tile_n, self.head_dim, self.num_stages
         tidx = cute.arch.thread_idx()[0]
-        storage = utils.SmemAllocator().allocate(self.shared_storage)
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
         sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)

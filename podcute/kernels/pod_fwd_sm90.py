@@ -40,7 +40,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils as utils
+import cutlass.memory
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import warp, warpgroup
@@ -305,14 +305,14 @@ class PodAttentionSm90(PodKernelBase):
         q_source = (warpgroup.OperandSource.RMEM if self.cfg.q_in_registers
                     else warpgroup.OperandSource.SMEM)
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
-            self.mma_dtype, self.mma_dtype, warpgroup.OperandMajorMode.K,
-            warpgroup.OperandMajorMode.K,
+            self.mma_dtype, self.mma_dtype, cute.nvgpu.OperandMajorMode.K,
+            cute.nvgpu.OperandMajorMode.K,
             Float32, (1, 1, 1), (WG_ROWS, tile_n), q_source,
         )
         # P comes from registers (RS wgmma); V is read transposed (MN-major) from smem.
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
-            self.mma_dtype, self.mma_dtype, warpgroup.OperandMajorMode.K,
-            warpgroup.OperandMajorMode.MN,
+            self.mma_dtype, self.mma_dtype, cute.nvgpu.OperandMajorMode.K,
+            cute.nvgpu.OperandMajorMode.MN,
             Float32, (1, 1, 1), (WG_ROWS, d), warpgroup.OperandSource.RMEM,
         )
         return tiled_mma_qk, tiled_mma_pv
@@ -396,7 +396,7 @@ class PodAttentionSm90(PodKernelBase):
         scratch_layout: cute.Layout,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        smem = utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
 
         producers = pipeline.CooperativeGroup(pipeline.Agent.Thread, WARPGROUP_THREADS)

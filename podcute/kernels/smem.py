@@ -16,7 +16,7 @@ from cutlass._mlir.dialects import cute as _cute_ir
 from cutlass.cutlass_dsl import dsl_user_op
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import warpgroup
-from cutlass.utils import LayoutEnum
+from cutlass.tensor_utils import LayoutEnum
 
 
 def smem_atom(dtype, cols: int):
