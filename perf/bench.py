@@ -541,8 +541,7 @@ def markdown(report) -> str:
     command = report.get("command") or env.get("command")
     lines += [f"Command: `{command}`", ""] if command else []  # not in older reports
     if env.get("kernel_flags"):
-        flags = " ".join(f"{k}={v}" for k, v in env["kernel_flags"].items())
-        lines += [f"Kernel flags: `{flags}`", ""]
+        lines += [kernel_flags_line(env["kernel_flags"]), ""]
     lines += [
         f"Options (every workload; podcute, FA4 and the reference alike): "
         f"{report.get('options_text') or env.get('options') or Options().describe()}",
@@ -722,6 +721,11 @@ def plots(report, out_dir) -> list:
         plt.close(fig)
         files.append(path)
     return files
+
+
+def kernel_flags_line(flags: dict) -> str:
+    """A report's line naming its side of a kernel-flag A/B (podcute.testing.kernel_flag_env)."""
+    return "Kernel flags: `" + " ".join(f"{k}={v}" for k, v in flags.items()) + "`"
 
 
 def environment(fa4_note) -> dict:

@@ -31,7 +31,7 @@ import torch
 
 from perf import workloads as W
 from perf.bench import parse_heads
-from perf.bench import _rel_l2, _sets, measure_ceilings
+from perf.bench import _rel_l2, _sets, kernel_flags_line, measure_ceilings
 from perf.timing import time_gpu
 from podcute.testing import kernel_flag_env
 
@@ -117,6 +117,7 @@ def main(argv=None) -> int:
     l2 = int(getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20))
     wanted = args.workloads.split(",")
     results = []
+    flags = kernel_flag_env()
     t0 = time.perf_counter()
     for w in W.MAIN:
         if w.name not in wanted:
@@ -136,11 +137,10 @@ def main(argv=None) -> int:
                   file=sys.stderr, flush=True)
             with open(os.path.join(args.out, "bench_fp8.json"), "w") as f:
                 json.dump(dict(ceilings=ceil, command=" ".join(sys.argv), results=results,
-                               kernel_flags=kernel_flag_env()), f, indent=1)
+                               kernel_flags=flags), f, indent=1)
     md = markdown(results, ceil)
-    if kernel_flag_env():  # an A/B's side, named in the table's file
-        md = "Kernel flags: " + " ".join(f"`{k}={v}`" for k, v in kernel_flag_env().items()) \
-            + "\n\n" + md
+    if flags:  # an A/B's side, named in the table's file
+        md = kernel_flags_line(flags) + "\n\n" + md
     with open(os.path.join(args.out, "bench_fp8.md"), "w") as f:
         f.write(md)
     print(md)

@@ -1,8 +1,8 @@
 """KernelConfig.softmax_under_pv (sm_90a; select() turns it on for 16-bit caches with 128-
-and 256-column tiles, where it measured faster): in the prefill loop K's stage is released after the softmax, behind a test of the row
-sums, so that ptxas cannot hoist the wait for the warpgroup's own P V GEMM above the
-softmax's exp2s (docs/notes/sm90a-kernel.md). Compiled on the host (no GPU): the PTX of the
-loop holds that order (exp2s, then the guarded arrive, then the wait), the variant spills
+and 256-column tiles, where it measured faster): in the prefill loop K's stage is released
+after the softmax, behind a test of the row sums, so that ptxas cannot hoist the wait for
+the warpgroup's own P V GEMM above the softmax's exp2s (docs/notes/sm90a-kernel.md).
+Compiled on the host (no GPU): the PTX of the loop holds that order (exp2s, then the guarded arrive, then the wait), the variant spills
 nothing, and where `nvdisasm` is installed, the SASS keeps every exp2 of the tile between
 the S wait and the P V wait. The flag's switch for the GPU runs is tested beside the L2
 hint's (tests/test_l2_hint.py)."""

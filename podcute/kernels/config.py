@@ -184,8 +184,8 @@ class KernelConfig:
     # cannot hoist the P V wait above the softmax's exp2s: the warpgroup's softmax then runs
     # under its own P V GEMM (docs/notes/sm90a-kernel.md). select() turns it on where it
     # measured faster: 16-bit caches with 128- and 256-column tiles (F1 4-10 % on an H100);
-    # at D 64 it measured 2-5 % slower (the loop is bound by its exp2s, not its GEMMs), and
-    # D 96 and fp8 caches are unmeasured ($PODCUTE_TEST_SOFTMAX_UNDER_PV=0 / 1 overrides it,
+    # at D 64 it measured 2-5 % slower (there the exp2s take about as long as the GEMMs),
+    # and D 96 and fp8 caches are unmeasured ($PODCUTE_TEST_SOFTMAX_UNDER_PV=0 / 1 overrides it,
     # podcute.testing.kernel_flags).
     softmax_under_pv: bool = False
 
